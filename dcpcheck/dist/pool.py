@@ -1,0 +1,311 @@
+"""A persistent pool of spawned rank processes for one world size.
+
+The pool is started once and reused by every test of that world size. All
+workers share one OS process group, so a stuck case is ended by one
+``killpg``: no worker, and nothing a worker started, is left behind. Ranks
+meet through a FileStore in a private temporary directory (no port), so
+several pytest processes (xdist) each run their own pools side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from dcpcheck.dist.worker import STACK_SIGNAL, log_path, stacks_path
+
+# After one rank has failed, how long its peers get to finish before they are
+# declared stuck (waiting in a collective the failed rank never joined).
+PEER_GRACE_S = 5.0
+LOG_TAIL_LINES = 40
+
+
+class PoolStartError(RuntimeError):
+    """The workers could not be started or could not form their group."""
+
+
+@dataclass
+class CaseResult:
+    """What came back from one case on every rank."""
+
+    world_size: int
+    outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
+    stuck: dict = field(default_factory=dict)  # rank -> Python stacks
+    dead: dict = field(default_factory=dict)  # rank -> how it died (+ log tail)
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.stuck
+            and not self.dead
+            and len(self.outcomes) == self.world_size
+            and all(o.ok for o in self.outcomes.values())
+        )
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {name} ({-returncode})"
+    return f"exited with code {returncode}"
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class RankPool:
+    def __init__(
+        self, world_size: int, device: str, *, impl_spec: str, startup_timeout: float, collective_timeout: float
+    ):
+        self.world_size = world_size
+        self.device = device
+        self.impl_spec = impl_spec
+        self.startup_timeout = startup_timeout
+        self.collective_timeout = collective_timeout
+        self.zygote: subprocess.Popen | None = None
+        self.zygote_conn: Connection | None = None
+        self.conns: dict[int, Connection] = {}
+        self.pids: dict[int, int] = {}
+        self.exit_codes: dict[int, int] = {}
+        self.tmpdir: Path | None = None
+        self.startup_seconds = 0.0
+
+    # ---- life cycle ------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        self._collect_exits()
+        return self.zygote is not None and self.zygote.poll() is None and not self.exit_codes
+
+    def _log(self, rank: int) -> Path:
+        return Path(log_path(str(self.tmpdir), rank))
+
+    def _worker_env(self) -> dict:
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.device == "cpu":
+            env["TRITON_INTERPRET"] = "1"
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="dcpcheck-pool-"))
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(self.tmpdir / "sock"))
+        server.listen(self.world_size + 1)
+        server.settimeout(0.2)
+        cmd = [
+            sys.executable, "-m", "dcpcheck.dist.worker",
+            "--socket", str(self.tmpdir / "sock"),
+            "--store", str(self.tmpdir / "store"),
+            "--tmpdir", str(self.tmpdir),
+            "--world-size", str(self.world_size),
+            "--device", self.device,
+            "--impl", self.impl_spec,
+            "--collective-timeout", str(self.collective_timeout),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        try:
+            with open(self.tmpdir / "zygote.log", "w") as log:
+                # A new process group: the ranks it forks inherit it, so one
+                # killpg ends them all.
+                self.zygote = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=self._worker_env(), process_group=0,
+                )  # fmt: skip
+            self._handshake(server, started)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            server.close()
+        self.startup_seconds = time.perf_counter() - started
+
+    def _handshake(self, server: socket.socket, started: float) -> None:
+        deadline = started + self.startup_timeout
+        unnamed: list[Connection] = []
+        while len(unnamed) < self.world_size + 1:
+            self._check_started(deadline, "connect")
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            unnamed.append(Connection(sock.detach()))
+        for conn in unnamed:
+            message = self._recv_startup(conn, deadline, ("zygote", "hello"))
+            if message[0] == "zygote":
+                self.zygote_conn = conn
+            else:
+                _, rank, pid = message
+                self.conns[rank], self.pids[rank] = conn, pid
+        for rank, conn in self.conns.items():
+            self._recv_startup(conn, deadline, ("ready",))
+
+    def _recv_startup(self, conn: Connection, deadline: float, expected: tuple):
+        while not conn.poll(0.2):
+            self._check_started(deadline, expected[-1])
+        try:
+            message = conn.recv()
+        except EOFError:
+            self._check_started(deadline, expected[-1], force=True)
+            raise
+        if message[0] not in expected:
+            raise PoolStartError(f"worker sent {message!r} during start-up, expected {expected}")
+        return message
+
+    def _check_started(self, deadline: float, phase: str, force: bool = False) -> None:
+        self._collect_exits()
+        zygote_code = self.zygote.poll()
+        if not (self.exit_codes or zygote_code is not None or force or time.perf_counter() > deadline):
+            return
+        what = [f"rank {r} {describe_exit(code)}" for r, code in sorted(self.exit_codes.items())]
+        if zygote_code is not None:
+            what.append(f"the zygote {describe_exit(zygote_code)}")
+        logs = [f"--- zygote log ---\n{_tail(self.tmpdir / 'zygote.log')}"]
+        logs += [f"--- rank {r} log ---\n{_tail(self._log(r))}" for r in range(self.world_size)]
+        raise PoolStartError(
+            f"could not start {self.world_size} {self.device} ranks ({phase} phase): "
+            + ("; ".join(what) or f"timed out after {self.startup_timeout:.0f} s")
+            + "\n"
+            + "\n".join(logs)
+        )
+
+    def _collect_exits(self, wait_s: float = 0.0) -> None:
+        """Read the zygote's reports of ranks that exited."""
+        conn = self.zygote_conn
+        try:
+            while conn is not None and conn.poll(wait_s):
+                kind, rank, code = conn.recv()
+                self.exit_codes[rank] = code
+                wait_s = 0.0
+        except (EOFError, OSError):
+            pass
+
+    def stop(self) -> None:
+        """Ask the ranks to leave their group and exit; kill what lingers."""
+        if self.zygote is None:
+            return
+        for conn in self.conns.values():
+            try:
+                conn.send({"op": "stop"})
+            except OSError:
+                pass
+        try:
+            self.zygote.wait(10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill the zygote, every rank and anything they started, at once."""
+        if self.zygote is not None:
+            try:
+                os.killpg(self.zygote.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.zygote.wait()
+            self.zygote = None
+        for conn in list(self.conns.values()) + [self.zygote_conn]:
+            if conn is not None:
+                conn.close()
+        self.conns, self.pids, self.zygote_conn = {}, {}, None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+    # ---- running a case --------------------------------------------------
+    def run(self, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+        task = {
+            "op": "run",
+            "fn": pickle.dumps(fn),
+            "case": case,
+            "seed": seed,
+            "impl": impl_spec,
+            "sys_path": list(sys.path),
+        }
+        started = time.perf_counter()
+        result = CaseResult(self.world_size)
+        for conn in self.conns.values():
+            conn.send(task)
+        pending = set(self.conns)
+        deadline = started + timeout
+        first_failure = None
+        by_conn = {conn: rank for rank, conn in self.conns.items()}
+        while pending:
+            now = time.perf_counter()
+            limit = deadline if first_failure is None else min(deadline, first_failure + PEER_GRACE_S)
+            if now >= limit:
+                result.timed_out = first_failure is None
+                break
+            for conn in wait([self.conns[r] for r in pending], timeout=min(0.2, limit - now)):
+                rank = by_conn[conn]
+                pending.discard(rank)
+                try:
+                    outcome = conn.recv()
+                except (EOFError, OSError):
+                    result.dead[rank] = self._death(rank)
+                    first_failure = first_failure or time.perf_counter()
+                    continue
+                result.outcomes[rank] = outcome
+                if not outcome.ok and first_failure is None:
+                    first_failure = time.perf_counter()
+            self._collect_exits()
+            for rank in sorted(pending & set(self.exit_codes)):
+                pending.discard(rank)
+                result.dead[rank] = self._death(rank)
+                first_failure = first_failure or time.perf_counter()
+        if pending:
+            result.stuck = self.dump_stacks(sorted(pending))
+        if pending or result.dead:
+            self.kill()
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _death(self, rank: int) -> str:
+        deadline = time.perf_counter() + 2.0
+        while rank not in self.exit_codes and time.perf_counter() < deadline:
+            self._collect_exits(wait_s=0.1)
+        how = describe_exit(self.exit_codes[rank]) if rank in self.exit_codes else "closed its connection"
+        return f"{how}\n--- rank {rank} log (tail) ---\n{_tail(self._log(rank))}"
+
+    def dump_stacks(self, ranks: list[int]) -> dict:
+        """The Python stacks of ``ranks``, read through faulthandler."""
+        offsets = {}
+        for rank in ranks:
+            path = Path(stacks_path(str(self.tmpdir), rank))
+            offsets[rank] = path.stat().st_size if path.exists() else 0
+            try:
+                os.kill(self.pids[rank], STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        stacks = {}
+        for rank in ranks:
+            with open(stacks_path(str(self.tmpdir), rank), errors="replace") as fh:
+                fh.seek(offsets[rank])
+                stacks[rank] = fh.read().strip() or "(no stack: the process did not answer)"
+        return stacks

@@ -1,0 +1,102 @@
+"""Resolve ``--dcp-impl`` to the implementation object under test.
+
+Accepted values: a built-in name (``port``, ``vllm``), ``pkg.module:attr``,
+or ``path/to/file.py:attr``. ``attr`` names an implementation object, or a
+class / zero-argument factory that returns one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from dcpcheck.impls.protocol import CAPABILITIES
+
+
+class ImplSpecError(ValueError):
+    """``--dcp-impl`` names nothing the suite can load."""
+
+
+def _embedded_port():
+    from dcpcheck.port.impl import EmbeddedPort
+
+    return EmbeddedPort()
+
+
+def _vllm_tree():
+    from dcpcheck.impls.vllm_adapter import VllmImplementation
+
+    return VllmImplementation()
+
+
+BUILTIN = {"port": _embedded_port, "vllm": _vllm_tree}
+
+ACCEPTED = (
+    "'port' (the embedded reference port), 'vllm' (an installed vLLM tree), "
+    "'pkg.module:attr' or 'path/to/file.py:attr' (your own implementation)"
+)
+
+
+def _import_file(path: Path):
+    name = "dcpcheck_user_impl_" + str(abs(hash(str(path.resolve()))))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resolve_attr(spec: str):
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ImplSpecError(f"--dcp-impl {spec!r}: no such file {target!r}; accepted: {ACCEPTED}")
+        module = _import_file(path)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ImplSpecError(
+                f"--dcp-impl {spec!r}: cannot import module {target!r} ({exc}); accepted: {ACCEPTED}"
+            ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImplSpecError(f"--dcp-impl {spec!r}: module {target!r} has no attribute {attr!r}") from None
+
+
+@lru_cache(maxsize=None)
+def load_implementation(spec: str):
+    """The implementation object for ``spec`` (cached per process)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    if ":" not in spec:
+        raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
+    found = _resolve_attr(spec)
+    impl = found() if isinstance(found, type) or (callable(found) and not _looks_like_impl(found)) else found
+    if not _looks_like_impl(impl):
+        raise ImplSpecError(
+            f"--dcp-impl {spec!r} resolved to {impl!r}, which has none of the capability "
+            f"methods {sorted(CAPABILITIES)}"
+        )
+    return impl
+
+
+def _looks_like_impl(obj) -> bool:
+    return any(callable(getattr(obj, name, None)) for name in CAPABILITIES)
+
+
+def missing_capabilities(impl, needed) -> list[str]:
+    return [name for name in needed if not callable(getattr(impl, name, None))]
+
+
+def impl_name(impl, spec: str) -> str:
+    return getattr(impl, "name", None) or spec
