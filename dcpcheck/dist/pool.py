@@ -26,7 +26,7 @@ from dcpcheck.dist.worker import STACK_SIGNAL, log_path, stacks_path
 
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
-PEER_GRACE_S = 5.0
+PEER_GRACE_S = 3.0
 LOG_TAIL_LINES = 40
 
 

@@ -1,0 +1,43 @@
+"""Run an inner pytest session in a subprocess, for checks of the harness
+itself (usage errors, skips, what a session leaves behind)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INNER_CONFTEST = 'pytest_plugins = ["dcpcheck.plugin"]\n'
+
+
+def inner_env(**overrides) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DSV41_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env.update(overrides)
+    return env
+
+
+def write_session(tmp_path: Path, files: dict[str, str]) -> Path:
+    (tmp_path / "conftest.py").write_text(INNER_CONFTEST)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def start_inner_pytest(tmp_path: Path, args: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
+        cwd=tmp_path,
+        env=inner_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
+    proc = start_inner_pytest(tmp_path, args, **env)
+    output, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, output

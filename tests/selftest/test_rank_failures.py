@@ -1,0 +1,74 @@
+"""A failing, stuck or killed rank fails its test clearly, within its timeout,
+and the next test runs on a fresh pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.selftest.rank_functions import kill_rank, raise_on_rank, skip_collective_on_rank, sum_of_ranks
+
+SHORT_TIMEOUT_S = 4.0
+# Stacks, killing and reporting on top of the timeout itself.
+REPORT_SLACK_S = 6.0
+
+
+def _failure_message(dcp, fn, **case) -> tuple[str, float]:
+    started = time.perf_counter()
+    with pytest.raises(pytest.fail.Exception) as info:
+        dcp.run(fn, timeout=SHORT_TIMEOUT_S, **case)
+    return str(info.value), time.perf_counter() - started
+
+
+def test_all_ranks_pass_and_return_their_values(dcp):
+    values = dcp.run(sum_of_ranks)
+    assert values == [dcp.world_size * (dcp.world_size + 1) / 2] * dcp.world_size
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2, 4)
+def test_exception_on_one_rank_after_collectives_names_that_rank(dcp):
+    message, _ = _failure_message(dcp, raise_on_rank, bad_rank=1, before_collective=False)
+    assert "failing ranks [1]" in message
+    assert "[rank 1] ValueError: planted failure on rank 1" in message
+    assert "raise_on_rank" in message  # the traceback, not just the message
+    assert f"W={dcp.world_size}" in message and "seed=" in message
+    assert dcp.run(sum_of_ranks)  # the pool is still usable
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2, 4)
+def test_exception_before_a_collective_does_not_hang_the_peers(dcp):
+    message, seconds = _failure_message(dcp, raise_on_rank, bad_rank=1, before_collective=True)
+    assert "failing ranks [1]" in message
+    assert "did not finish: still running after a peer failed" in message
+    assert "Python stacks" in message
+    assert seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
+    assert dcp.run(sum_of_ranks)
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_rank_that_skips_a_collective_times_out_with_stacks(dcp):
+    message, seconds = _failure_message(dcp, skip_collective_on_rank, bad_rank=1)
+    assert f"ranks [0] did not finish: timed out after {SHORT_TIMEOUT_S:g} s" in message
+    assert "[rank 0] Python stacks at the timeout" in message
+    assert "sum_of_ranks" in message and "all_reduce" in message
+    assert SHORT_TIMEOUT_S <= seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_next_case_after_a_timeout_passes(dcp):
+    _failure_message(dcp, skip_collective_on_rank, bad_rank=0)
+    assert dcp.run(sum_of_ranks) == [3.0, 3.0]
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2, 4)
+def test_killed_worker_is_reported_as_killed(dcp):
+    message, seconds = _failure_message(dcp, kill_rank, bad_rank=dcp.world_size - 1)
+    assert f"[rank {dcp.world_size - 1}] worker died: killed by signal SIGKILL (9)" in message
+    assert seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
+    assert dcp.run(sum_of_ranks)

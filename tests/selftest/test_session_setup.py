@@ -1,0 +1,133 @@
+"""Usage errors, stage gating and capability skips, seen from a real inner
+pytest session (they happen at configure and collection time)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.selftest.inner import run_inner_pytest, start_inner_pytest, write_session
+
+pytestmark = pytest.mark.spawned_only
+
+STAGED_TESTS = '''
+import pytest
+
+@pytest.mark.stage(1)
+def test_stage_one():
+    pass
+
+@pytest.mark.stage(3)
+def test_stage_three():
+    pass
+
+@pytest.mark.needs("no_such_capability")
+def test_needs_missing_capability():
+    pass
+'''
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "2.5", "three"])
+def test_bad_stage_value_is_a_usage_error(tmp_path, raw):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE=raw)
+    assert code == 4, output
+    assert f"DSV41_DCP_STAGE={raw!r} is not a stage" in output
+    assert "non-negative integer" in output and "unset" in output
+
+
+def test_unknown_impl_is_a_usage_error_listing_the_choices(tmp_path):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "nonsense"])
+    assert code == 4, output
+    assert "--dcp-impl 'nonsense' is not recognised" in output
+    assert "'port'" in output and "'vllm'" in output and "pkg.module:attr" in output
+
+
+def test_missing_user_module_is_a_usage_error(tmp_path):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "no_such_pkg.mod:impl"])
+    assert code == 4, output
+    assert "cannot import module 'no_such_pkg.mod'" in output
+
+
+def test_bad_world_sizes_is_a_usage_error(tmp_path):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "2,x"])
+    assert code == 4, output
+    assert "--world-sizes '2,x'" in output
+
+
+def test_stage_gate_skips_later_stages_naming_the_variable(tmp_path):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE="1")
+    assert code == 0, output
+    assert "1 passed, 2 skipped" in output
+    assert "DSV41_DCP_STAGE=1: stage 3 (partial attention + LSE combine) is not reached yet" in output
+    assert "implementation 'port' lacks capability no_such_capability" in output
+
+
+def test_unset_stage_runs_every_stage(tmp_path):
+    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
+    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE="")
+    assert code == 0, output
+    assert "2 passed, 1 skipped" in output
+
+
+def test_user_implementation_from_a_file_lacking_capabilities_skips(tmp_path):
+    impl = "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
+    tests = '@__import__("pytest").mark.needs("combine")\ndef test_combine():\n    pass\n'
+    write_session(tmp_path, {"my_impl.py": impl, "test_mine.py": tests})
+    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "my_impl.py:Partial"])
+    assert code == 0, output
+    assert "implementation 'my_impl.py:Partial' lacks capability combine" in output
+
+
+HANGING_TEST = '''
+import time
+
+def sleep_forever(ctx):
+    time.sleep(3600)
+
+def test_hangs(dcp):
+    dcp.run(sleep_forever)
+'''
+
+
+def _pool_processes(parent_pid: int) -> list[str]:
+    """Command lines of the pool processes started by ``parent_pid``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(parent_pid).encode():
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
+def test_no_worker_outlives_a_killed_session(tmp_path):
+    write_session(tmp_path, {"test_hang.py": HANGING_TEST})
+    proc = start_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2"])
+    deadline = time.monotonic() + 120
+    while len(_pool_processes(proc.pid)) < 3 and time.monotonic() < deadline:  # the zygote and 2 ranks
+        time.sleep(0.2)
+    assert len(_pool_processes(proc.pid)) == 3, "expected the zygote and two ranks"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _pool_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pool_processes(proc.pid) == []
+
+
+def test_no_worker_outlives_a_finished_session(tmp_path):
+    passing = "def one(ctx):\n    return ctx.rank\n\ndef test_ok(dcp):\n    assert dcp.run(one) == list(range(dcp.world_size))\n"
+    write_session(tmp_path, {"test_ok.py": passing})
+    proc = start_inner_pytest(tmp_path, ["--world-sizes", "1,2"])
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    assert _pool_processes(proc.pid) == []
