@@ -54,11 +54,13 @@ class DcpGroup:
             return input_
         self._count()
         dim = dim % input_.dim()
-        gathered = torch.empty(
-            (self.world_size,) + tuple(input_.shape), dtype=input_.dtype, device=input_.device
+        # gloo wants the flat [W * n0, ...] output; NCCL accepts it too.
+        flat = torch.empty(
+            (self.world_size * input_.shape[0],) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device
         )
-        dist.all_gather_into_tensor(gathered, input_.contiguous(), group=self.device_group)
+        dist.all_gather_into_tensor(flat, input_.contiguous(), group=self.device_group)
         # [W, ..., n, ...] -> [..., W*n, ...]: rank blocks stay contiguous on dim.
+        gathered = flat.view((self.world_size,) + tuple(input_.shape))
         return gathered.movedim(0, dim).flatten(dim, dim + 1)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

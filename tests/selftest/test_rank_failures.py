@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from tests.selftest.rank_functions import kill_rank, raise_on_rank, skip_collective_on_rank, sum_of_ranks
+from tests.selftest.rank_functions import (
+    group_collectives_match_torch,
+    kill_rank,
+    raise_on_rank,
+    skip_collective_on_rank,
+    sum_of_ranks,
+)
 
 SHORT_TIMEOUT_S = 4.0
 # Stacks, killing and reporting on top of the timeout itself.
@@ -72,3 +78,7 @@ def test_killed_worker_is_reported_as_killed(dcp):
     assert f"[rank {dcp.world_size - 1}] worker died: killed by signal SIGKILL (9)" in message
     assert seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
     assert dcp.run(sum_of_ranks)
+
+
+def test_group_collectives_are_rank_ordered(dcp):
+    dcp.run(group_collectives_match_torch)

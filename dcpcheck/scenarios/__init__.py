@@ -1,0 +1,1 @@
+"""Deterministic batches and traces shared by the stages of the suite."""
