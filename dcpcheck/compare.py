@@ -1,0 +1,318 @@
+"""Tolerances, error statistics and failure messages: the one home for all.
+
+Every check of the suite compares through this module, so a failure always
+names what differs, the worst error and where (token, head, dim / slot).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcpcheck.oracle.attention import EMPTY_LSE, is_empty_lse
+
+
+class MismatchError(AssertionError):
+    """A result differs from its reference; the message says where and by how much."""
+
+
+# ---- exact comparisons (index tensors, counts, slot sets) ------------------
+
+MAX_REPORTED = 8  # problems (and values per problem) spelled out in one message
+
+
+class TokenRows:
+    """Names the token rows of a batch in failure messages.
+
+    ``case`` says which case, world size and rank produced the tensors;
+    ``token_to_req`` and ``labels`` (e.g. "decode, recent ids") say what
+    each row is.
+    """
+
+    def __init__(self, case: str, token_to_req, labels=()):
+        self.case = case
+        self.requests = [int(x) for x in _as_list(token_to_req)]
+        self.labels = tuple(labels)
+
+    def name(self, t: int) -> str:
+        label = f", {self.labels[t]}" if self.labels else ""
+        return f"token row {t} (request {self.requests[t]}{label})"
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _listing(values) -> str:
+    values = list(values)
+    shown = ", ".join(map(str, values[:MAX_REPORTED]))
+    more = len(values) - MAX_REPORTED
+    return f"[{shown}, ... {more} more]" if more > 0 else f"[{shown}]"
+
+
+def fail_if_problems(case: str, what: str, problems: list[str], total: int | None = None) -> None:
+    """Raise :class:`MismatchError` listing the first problems, if there are any.
+    ``total`` is the number of problems when only the first ones were spelled out."""
+    total = len(problems) if total is None else total
+    if total == 0:
+        return
+    lines = [f"{case}: {what}: {total} problem(s)"]
+    lines += [f"  {problem}" for problem in problems[:MAX_REPORTED]]
+    if total > MAX_REPORTED:
+        lines.append(f"  ... and {total - MAX_REPORTED} more")
+    raise MismatchError("\n".join(lines))
+
+
+def assert_compact_prefix(slots, counts, rows: TokenRows, *, what: str) -> None:
+    """Row ``t`` of ``slots [T, K]`` holds ``counts[t]`` entries >= 0, then only -1."""
+    width = slots.shape[1]
+    problems = []
+    for t, (row, count) in enumerate(zip(slots.tolist(), counts.tolist())):
+        if not 0 <= count <= width:
+            problems.append(f"{rows.name(t)}: count {count} outside [0, {width}]")
+            continue
+        gaps = [f"{row[k]} at column {k}" for k in range(count) if row[k] < 0]
+        tail = [f"{row[k]} at column {k}" for k in range(count, width) if row[k] != -1]
+        if gaps:
+            problems.append(f"{rows.name(t)}: count {count} but the prefix holds {_listing(gaps)}")
+        if tail:
+            problems.append(f"{rows.name(t)}: after the prefix of {count}, expected -1, got {_listing(tail)}")
+    fail_if_problems(rows.case, f"{what} are not a compact prefix with a -1 tail", problems)
+
+
+def assert_row_sets_equal(actual, expected, rows: TokenRows, *, what: str) -> None:
+    """Per token row, the entries >= 0 of ``actual`` and of ``expected`` form the
+    same set (order ignored, widths may differ); an entry repeated in
+    ``actual`` is a problem too."""
+    problems = []
+    for t, (got_row, want_row) in enumerate(zip(actual.tolist(), expected.tolist())):
+        got, repeated = set(), set()
+        for value in got_row:
+            if value >= 0:
+                (repeated if value in got else got).add(value)
+        want = {value for value in want_row if value >= 0}
+        parts = []
+        if got - want:
+            parts.append(f"unexpected {_listing(sorted(got - want))}")
+        if want - got:
+            parts.append(f"missing {_listing(sorted(want - got))}")
+        if repeated:
+            parts.append(f"repeated {_listing(sorted(repeated))}")
+        if parts:
+            problems.append(f"{rows.name(t)}: " + "; ".join(parts))
+    fail_if_problems(rows.case, what, problems)
+
+
+def assert_rows_disjoint(per_rank, rows: TokenRows, *, what: str) -> None:
+    """No entry >= 0 of a token row is held by two ranks; ``per_rank`` is [W, T, K]."""
+    problems = []
+    for t in range(per_rank.shape[1]):
+        holder: dict[int, int] = {}
+        clashes = []
+        for rank, row in enumerate(per_rank[:, t].tolist()):
+            for value in sorted({v for v in row if v >= 0}):
+                if value in holder:
+                    clashes.append(f"{value} on ranks {holder[value]} and {rank}")
+                else:
+                    holder[value] = rank
+        if clashes:
+            problems.append(f"{rows.name(t)}: {_listing(clashes)}")
+    fail_if_problems(rows.case, what, problems)
+
+
+def assert_equal_ints(actual, expected, *, case: str, what: str, name_index) -> None:
+    """Elementwise equality of two integer tensors of one shape.
+    ``name_index(*index)`` says in words where an element is (e.g. a token row)."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise MismatchError(f"{case}: {what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    actual, expected = actual.long(), expected.long()
+    wrong = (actual != expected).nonzero().tolist()
+    problems = [
+        f"{name_index(*index)}: got {actual[tuple(index)].item()}, expected {expected[tuple(index)].item()}"
+        for index in wrong[:MAX_REPORTED]
+    ]
+    fail_if_problems(case, what, problems, total=len(wrong))
+
+# ---- floating-point comparisons (tolerances live here and nowhere else) ----
+
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """|actual - expected| <= atol + rtol * |expected|, elementwise."""
+
+    atol: float
+    rtol: float
+
+    def describe(self) -> str:
+        return f"atol {self.atol:g} + rtol {self.rtol:g} * |expected|"
+
+
+# (quantity, dtype of the result) -> tolerance. "out": an attention or combine
+# output (values O(1)) against a float64 reference computed from the same,
+# already rounded, inputs; for fp16/bf16 atol is one ulp at 1 and rtol two ulps
+# (the partials round once, the merged output once more); for fp32 both cover
+# the fp32 softmax and merge arithmetic. "lse": an fp32 LSE (fp32 math, values
+# up to a few hundred). Measured worst |err| / allowed on CPU and H200: <= 0.4.
+# Tight enough that a base mix-up, or the sink or window counted on every
+# rank, fails by orders of magnitude (the stage-3 break-it runs show it).
+FLOAT_TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
+    ("out", torch.float32): Tolerance(atol=2e-6, rtol=2e-6),
+    ("out", torch.float16): Tolerance(atol=1e-3, rtol=2e-3),
+    ("out", torch.bfloat16): Tolerance(atol=8e-3, rtol=1.6e-2),
+    ("lse", torch.float32): Tolerance(atol=1e-5, rtol=1e-6),
+}
+
+DIM_NAMES: dict[int, tuple[str, ...]] = {
+    1: ("token",),
+    2: ("token", "head"),
+    3: ("token", "head", "dim"),
+}
+
+
+def tolerance_for(quantity: str, dtype: torch.dtype) -> Tolerance:
+    try:
+        return FLOAT_TOLERANCES[(quantity, dtype)]
+    except KeyError:
+        known = ", ".join(f"{q}/{str(d).removeprefix('torch.')}" for q, d in FLOAT_TOLERANCES)
+        raise KeyError(f"no tolerance for {quantity} in {dtype}; the table has: {known}") from None
+
+
+def format_context(context: Mapping[str, Any] | None) -> str:
+    """``stage=3 backend=a2a lse_base=e W=4 rank=1`` (keys in the caller's order)."""
+    if not context:
+        return ""
+    return " ".join(f"{key}={value}" for key, value in context.items())
+
+
+@dataclass(frozen=True)
+class CloseStats:
+    """Error statistics of one comparison (picklable; rank functions return them)."""
+
+    max_abs_err: float
+    worst_ratio: float  # worst |err| / allowed; <= 1 passes
+    num_out_of_tolerance: int
+    num_elements: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "max_abs_err": self.max_abs_err,
+            "worst_ratio": self.worst_ratio,
+            "num_out_of_tolerance": self.num_out_of_tolerance,
+            "num_elements": self.num_elements,
+        }
+
+
+def _location(
+    flat_index: int,
+    shape: Sequence[int],
+    dims: Sequence[str] | None,
+    row_labels: Sequence[str] | None,
+    offsets: Sequence[int] | None,
+) -> str:
+    """``(token=5 [decode, recent ids], head=2, dim=17)``; the label describes
+    dim 0; ``offsets`` shift a slice's coordinates back to the full tensor."""
+    names = tuple(dims) if dims is not None else DIM_NAMES.get(len(shape), ())
+    if len(names) != len(shape):
+        names = tuple(f"i{axis}" for axis in range(len(shape)))
+    coords = []
+    for size in reversed(shape):
+        coords.append(flat_index % size)
+        flat_index //= size
+    coords.reverse()
+    if offsets is not None:
+        coords = [c + offset for c, offset in zip(coords, offsets)]
+    parts = [f"{name}={c}" for name, c in zip(names, coords)]
+    if parts and row_labels is not None and coords[0] < len(row_labels):
+        parts[0] += f" [{row_labels[coords[0]]}]"
+    return "(" + ", ".join(parts) + ")"
+
+
+def _as_float64(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to("cpu", torch.float64)
+
+
+def _as_canonical_lse(lse: torch.Tensor) -> torch.Tensor:
+    """float64 with every empty row (-inf, the sentinel, anything at or below
+    the empty bound) set to exactly ``EMPTY_LSE``."""
+    lse = _as_float64(lse)
+    return torch.where(is_empty_lse(lse), torch.full_like(lse, EMPTY_LSE), lse)
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    what: str,
+    context: Mapping[str, Any] | None = None,
+    quantity: str = "out",
+    tolerance: Tolerance | None = None,
+    dims: Sequence[str] | None = None,
+    row_labels: Sequence[str] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> CloseStats:
+    """Raise :class:`MismatchError` unless ``actual`` is within tolerance of ``expected``.
+
+    The tolerance comes from :data:`FLOAT_TOLERANCES` by ``quantity`` and the
+    dtype of ``actual`` unless given. NaN in ``actual`` is always out of
+    tolerance; equal infinities match. The message names ``what``, the
+    context, the worst element (location by ``dims``, default token/head/dim,
+    with ``row_labels[token]`` when given, shifted by ``offsets`` when the
+    tensors are a slice, e.g. ``(0, first_head, 0)`` for a rank's heads),
+    actual vs expected there, and how many elements are out of tolerance.
+    Returns the error statistics when it passes.
+    """
+    tolerance = tolerance or tolerance_for(quantity, actual.dtype)
+    return _check(actual, expected, _as_float64, tolerance, what, context, dims, row_labels, offsets)
+
+
+def assert_lse_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    what: str,
+    context: Mapping[str, Any] | None = None,
+    dims: Sequence[str] | None = None,
+    row_labels: Sequence[str] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> CloseStats:
+    """:func:`assert_close` for fp32 LSEs: every empty row counts as
+    ``EMPTY_LSE`` on both sides, so -inf and -1e30 are the same answer; a
+    finite LSE against an empty one is still a mismatch."""
+    tolerance = tolerance_for("lse", torch.float32)
+    return _check(actual, expected, _as_canonical_lse, tolerance, what, context, dims, row_labels, offsets)
+
+
+def _check(actual, expected, prepare, tolerance, what, context, dims, row_labels, offsets) -> CloseStats:
+    where = f"{what} ({format_context(context)})" if context else what
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise MismatchError(f"{where}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    got, want = prepare(actual), prepare(expected)
+    abs_err = (got - want).abs()
+    abs_err = torch.where(got == want, torch.zeros_like(abs_err), abs_err)  # equal infinities
+    abs_err = torch.nan_to_num(abs_err, nan=math.inf)
+    allowed = tolerance.atol + tolerance.rtol * want.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    ratio = abs_err / allowed
+    num_elements = got.numel()
+    stats = CloseStats(
+        max_abs_err=abs_err.max().item() if num_elements else 0.0,
+        worst_ratio=ratio.max().item() if num_elements else 0.0,
+        num_out_of_tolerance=int((ratio > 1).sum()),
+        num_elements=num_elements,
+    )
+    if not stats.num_out_of_tolerance:
+        return stats
+
+    worst = int(ratio.flatten().argmax())
+    raise MismatchError(
+        f"{where}: {stats.num_out_of_tolerance} of {num_elements} elements out of tolerance "
+        f"({tolerance.describe()}, {str(actual.dtype).removeprefix('torch.')}).\n"
+        f"  worst at {_location(worst, actual.shape, dims, row_labels, offsets)}: "
+        f"actual {got.flatten()[worst].item():.8g}, expected {want.flatten()[worst].item():.8g}, "
+        f"abs err {abs_err.flatten()[worst].item():.3g} (allowed {allowed.flatten()[worst].item():.3g}); "
+        f"max abs err {stats.max_abs_err:.3g}; NaN in actual: {int(torch.isnan(got).sum())}"
+    )

@@ -1,0 +1,115 @@
+"""Stage 3: the LSE combine alone, on synthetic partials, on real groups.
+
+Every rank builds the same global partials ``[W, T, H, D]`` from the seed,
+combines its own, and checks its heads against the float64 oracle merge;
+both backends must agree. The rows cover every empty-row flavour and LSE
+gaps that overflow without max-subtraction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
+from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
+from dcpcheck.stages import STAGE_COMBINE
+from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads
+
+pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
+
+NUM_TOKENS = 40
+HEAD_DIM = 72  # not a power of two: the kernels' column mask is exercised
+
+
+def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: torch.dtype):
+    """-> (outs [W, T, H, D] in dtype, lses [W, T, H] fp32): random rows plus one
+    row per edge case, in the LSE units of whatever base the caller combines in."""
+    shape = (world, NUM_TOKENS, num_heads)
+    outs = torch.randn(*shape, HEAD_DIM, generator=gen)
+    lses = torch.randn(*shape, generator=gen) * 3.0
+    nan, neg_inf = float("nan"), float("-inf")
+    ranks = torch.arange(world)
+
+    def set_row(row, lse_by_rank, nan_out=None):
+        lses[:, row] = lse_by_rank[:, None]
+        if nan_out is not None:
+            outs[nan_out, row] = nan
+
+    set_row(0, torch.full((world,), EMPTY_LSE))  # every rank empty, sentinel
+    outs[:, 0] = 0.0
+    set_row(1, torch.full((world,), neg_inf), nan_out=ranks >= 0)  # every rank -inf, NaN out
+    set_row(2, torch.where(ranks == 0, 1.5, EMPTY_LSE))  # only rank 0 has mass
+    outs[1:, 2] = 0.0
+    set_row(3, torch.where(ranks == world - 1, -2.0, neg_inf), nan_out=ranks != world - 1)
+    set_row(4, torch.where(ranks % 2 == 0, neg_inf, 0.5 * ranks), nan_out=(ranks % 2 == 0) & (ranks > 0))
+    lses[0, 4] = 0.25  # rank 0 keeps mass, so no row is empty at W = 2 by accident
+    # One rank dominates by 120 at an LSE whose power overflows fp32 in base 2 and e.
+    set_row(5, torch.where(ranks == world // 2, 150.0, 30.0))
+    set_row(6, -150.0 + 0.5 * ranks)  # underflows fp32 without max-subtraction
+    set_row(7, torch.where(ranks == 0, EMPTY_LSE, 100.0 + ranks))
+    return outs.to(dtype), lses
+
+
+def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads):
+    """One rank: its backend's result vs the oracle merge (out and LSE of its
+    heads), return_lse=False vs True, and the other backend."""
+    dtype = DTYPES[dtype_name]
+    base = LSE_BASES[lse_base]
+    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads)
+    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, num_heads, dtype)
+    out, lse = outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device)
+
+    if num_heads % ctx.world_size:
+        with pytest.raises(ValueError, match=rf"H={num_heads}.*W={ctx.world_size}.*accepted"):
+            ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base)
+        return {}
+
+    if ctx.world_size == 1:
+        merged, merged_lse = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
+        if merged is not out or merged_lse is not lse:
+            raise MismatchError(f"W=1 combine must return its inputs unchanged ({context})")
+        if ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base) is not out:
+            raise MismatchError(f"W=1 combine without return_lse must return out itself ({context})")
+        return {}
+
+    heads = own_heads(ctx, num_heads)
+    report = {"context": context, "offsets": (0, heads.start, 0)}  # global head ids in messages
+    want_out, want_lse = merge_partials(outs, lses, lse_base=base)
+    merged, merged_lse = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
+    if merged.dtype != dtype or merged_lse.dtype != torch.float32:
+        raise MismatchError(f"combine returned {merged.dtype} out / {merged_lse.dtype} lse, "
+                            f"expected {dtype} / torch.float32 ({context})")
+    stats = assert_close(merged, want_out[:, heads], what="combined output vs oracle merge", **report)
+    assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE vs oracle merge", **report)
+
+    only_out = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base)
+    assert_close(only_out, merged, what="combine(return_lse=False) vs return_lse=True", **report)
+
+    other = "a2a" if backend == "ag_rs" else "ag_rs"
+    other_out, other_lse = ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True)
+    assert_close(other_out, merged, what=f"{other} vs {backend} output", **report)
+    assert_lse_close(other_lse, merged_lse, what=f"{other} vs {backend} LSE", **report)
+    return stats.as_dict()
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("lse_base", ["2", "e"])
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_combine_matches_oracle_merge(dcp, backend, lse_base, dtype_name):
+    dcp.run(check_combine, backend=backend, lse_base=lse_base, dtype_name=dtype_name, num_heads=8)
+
+
+@pytest.mark.world_sizes(1)
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_combine_single_rank_returns_inputs(dcp, backend):
+    dcp.run(check_combine, backend=backend, lse_base="2", dtype_name="bf16", num_heads=8)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize("num_heads", [12, 6])
+def test_combine_head_counts(dcp, num_heads):
+    """H = 12 splits over W = 2, 4; H = 6 over W = 4, 8 and H = 12 over W = 8
+    must raise a ValueError that says what is accepted."""
+    dcp.run(check_combine, backend="a2a", lse_base="e", dtype_name="bf16", num_heads=num_heads)

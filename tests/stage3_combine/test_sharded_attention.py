@@ -1,0 +1,144 @@
+"""Stage 3 on real shards: per-rank partial attention over the stage-1 slots
+of a realistic batch, combined, equals DCP1 attention for the rank's heads.
+
+Every rank builds the same batch and attention inputs from the seed, writes
+its own compressed cache through its block table, takes its candidates from
+the stage-1 oracle (so a stage-1 bug cannot fail these tests), and checks:
+the head gather; its partial against the float64 oracle over its own
+candidates (window and sink on rank 0 only); the combined output and LSE
+against DCP1 twice (the float64 oracle and the implementation's own W = 1
+path); ``ag_rs == a2a``; and ``dcp_attention`` chunked == unchunked ==
+gather + partial + combine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
+from dcpcheck.dist.group import DcpGroup
+from dcpcheck.oracle import attention as oracle
+from dcpcheck.oracle.layout import filter_index_reference
+from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
+from dcpcheck.scenarios.batch import KvLayout, build_step_batch, dcp1_block_table, rank_block_table
+from dcpcheck.stages import STAGE_COMBINE
+from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads
+
+pytestmark = [
+    pytest.mark.stage(STAGE_COMBINE),
+    pytest.mark.needs("gather_heads", "partial_attention", "combine", "dcp_attention"),
+]
+
+RHO = 4
+TOP_K = 16
+NUM_HEADS = 8
+HEAD_DIM = 64
+WINDOW = 8
+TOKEN_CHUNK = 5  # splits the batch into uneven sub-chunks
+
+
+def stage1_slots(batch, block_table, *, world_size: int, rank: int) -> torch.Tensor:
+    """The rank's candidates from the stage-1 oracle: [T, K] int32, -1 = none."""
+    _, slots = filter_index_reference(
+        batch.topk, batch.token_to_req, block_table, batch.is_valid_token,
+        bs=batch.layout.bs, S=batch.layout.interleave, W=world_size, r=rank,
+    )
+    return slots.to(torch.int32)
+
+
+def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs):
+    dtype, base, device, impl = DTYPES[dtype_name], LSE_BASES[lse_base], ctx.device, ctx.impl
+    W, rank = ctx.world_size, ctx.rank
+    layout = KvLayout(rho=RHO, bs=bs, interleave=interleave, world_size=W)
+    batch = build_step_batch(layout, top_k=TOP_K, seed=ctx.seed)
+    inputs = build_attention_inputs(
+        batch, num_heads=NUM_HEADS, head_dim=HEAD_DIM, window=WINDOW, dtype=dtype, seed=ctx.seed + 1
+    )
+    heads = own_heads(ctx, NUM_HEADS)
+    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, S=interleave, bs=bs)
+    labels = batch.row_labels
+    worst = {}  # what -> worst |err| / allowed, returned for the summary
+
+    def check(actual, expected, what, *, lse=False, all_heads=False):
+        compare = assert_lse_close if lse else assert_close
+        offsets = None if all_heads else (0, heads.start, 0)  # report global head ids
+        stats = compare(actual, expected, what=what, context=context, row_labels=labels, offsets=offsets)
+        worst[what] = stats.worst_ratio
+
+    table = rank_block_table(batch, rank)
+    slots = stage1_slots(batch, table, world_size=W, rank=rank).to(device)
+    comp_cache = comp_cache_for(batch, inputs, table, rank=rank, world_size=W).to(device)
+    swa_cache, swa_slots = inputs.swa_cache.to(device), inputs.swa_slots.to(device)
+    q_local, sink_local = inputs.q[:, heads].to(device), inputs.sink[heads].to(device)
+
+    # 1. The head gather restores every head in TP order, exactly.
+    q = impl.gather_heads(q_local, ctx.group, dim=1)
+    sink = impl.gather_heads(sink_local, ctx.group, dim=0)
+    for name, got, want in (("q", q, inputs.q), ("sinks", sink, inputs.sink)):
+        if got.shape != want.shape or not torch.equal(got.cpu(), want):
+            raise MismatchError(f"gather_heads of {name}: {tuple(got.shape)} is not the TP-order "
+                                f"concatenation {tuple(want.shape)} of every rank's heads ({context})")
+
+    # 2. The partial covers exactly this rank's candidates; window and sink on rank 0 only.
+    out, lse = impl.partial_attention(
+        q, comp_cache, slots, swa_cache, swa_slots, sink, scale=inputs.scale, rank=rank
+    )
+    on_rank0 = rank == 0
+    want_out, want_lse = oracle.sparse_attention(
+        inputs.q, comp_cache, slots,
+        inputs.swa_cache if on_rank0 else None, inputs.swa_slots if on_rank0 else None,
+        inputs.sink if on_rank0 else None, scale=inputs.scale,
+    )
+    check(out, want_out, "partial output vs oracle over this rank's candidates", all_heads=True)
+    check(lse, want_lse, "partial LSE (base 2) vs oracle", lse=True, all_heads=True)
+
+    # 3. Combined, with both backends, in the requested base: DCP1 for this rank's heads.
+    dcp1_table = dcp1_block_table(batch)
+    dcp1_cache = comp_cache_for(batch, inputs, dcp1_table, rank=0, world_size=1)
+    dcp1_slots = stage1_slots(batch, dcp1_table, world_size=1, rank=0)
+    dcp1_out, dcp1_lse = oracle.sparse_attention(
+        inputs.q, dcp1_cache, dcp1_slots, inputs.swa_cache, inputs.swa_slots, inputs.sink,
+        scale=inputs.scale, lse_base=base,
+    )
+    partial_lse = oracle.convert_lse_base(lse, from_base=2.0, to_base=base).float().to(device)
+    merged, merged_lse = impl.combine(out, partial_lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
+    check(merged, dcp1_out[:, heads], "combined output vs float64 DCP1 oracle")
+    check(merged_lse, dcp1_lse[:, heads], "combined LSE vs float64 DCP1 oracle", lse=True)
+    other = "a2a" if backend == "ag_rs" else "ag_rs"
+    other_out, other_lse = impl.combine(out, partial_lse, ctx.group, backend=other, lse_base=base, return_lse=True)
+    check(other_out, merged, f"{other} vs {backend} output")
+    check(other_lse, merged_lse, f"{other} vs {backend} LSE", lse=True)
+
+    # 4. The implementation's own DCP1 path (W = 1: every candidate, window and sink here).
+    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=device, device_group=None, cpu_group=None)
+    port_dcp1 = impl.dcp_attention(
+        inputs.q.to(device), inputs.sink.to(device), dcp1_cache.to(device), dcp1_slots.to(device),
+        swa_cache, swa_slots, single_rank, scale=inputs.scale,
+    )
+    check(merged, port_dcp1[:, heads], "combined output vs the implementation's W=1 path")
+
+    # 5. The whole path, unchunked and in sub-chunks, equals the steps above.
+    for token_chunk in (None, TOKEN_CHUNK):
+        whole = impl.dcp_attention(
+            q_local, sink_local, comp_cache, slots, swa_cache, swa_slots, ctx.group,
+            scale=inputs.scale, backend=backend, token_chunk=token_chunk,
+        )
+        check(whole, merged, f"dcp_attention(token_chunk={token_chunk}) vs gather + partial + combine")
+    return {"worst_ratio": max(worst.values()), "worst_check": max(worst, key=worst.get)}
+
+
+@pytest.mark.parametrize(
+    "backend, lse_base, dtype_name, interleave, bs",
+    [
+        ("ag_rs", "2", "fp32", 1, 4),
+        ("a2a", "e", "fp32", 2, 8),
+        ("ag_rs", "e", "bf16", 4, 8),
+        ("a2a", "2", "bf16", 1, 8),
+    ],
+)
+def test_sharded_attention_matches_dcp1(dcp, backend, lse_base, dtype_name, interleave, bs):
+    dcp.run(
+        check_sharded_attention,
+        backend=backend, lse_base=lse_base, dtype_name=dtype_name, interleave=interleave, bs=bs,
+    )
