@@ -26,6 +26,9 @@ MARKERS = (
     "gpu: needs CUDA devices",
     "spawned_only: needs the spawned pool (skipped under torchrun)",
 )
+# Keys of a rank function's stats dict that are worst errors: the largest over
+# the ranks becomes a JUnit property (dcp_<key>) for tools/gpu_ci.py.
+WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
 
 
 @dataclass
@@ -116,7 +119,9 @@ def pytest_configure(config):
     if launched_by_torchrun():
         session.torchrun_world_size = launcher_world_size()
         if launcher_rank() != 0:
-            # Only rank 0 reports; all ranks still agree on every outcome.
+            # Only rank 0 reports (terminal and --junitxml); all ranks still
+            # agree on every outcome.
+            config.option.xmlpath = None
             config.pluginmanager.set_blocked("terminalreporter")
             reporter = config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
@@ -218,6 +223,7 @@ class DcpRunner:
         stage_marker = request.node.get_closest_marker("stage")
         self.stage = stage_marker.args[0] if stage_marker else None
         self._config = request.config
+        self._properties = request.node.user_properties
 
     def header(self) -> dict:
         return {
@@ -241,6 +247,9 @@ class DcpRunner:
             if reason:
                 pytest.skip(reason)
         timeout = timeout or self.session.timeout
+        self._properties.append(("dcp_world_size", self.world_size))
+        if case.get("backend"):
+            self._properties.append(("dcp_backend", case["backend"]))
         launcher = _launcher(self.session, self._config)
         try:
             result = launcher.run(
@@ -250,7 +259,15 @@ class DcpRunner:
             pytest.fail(f"{self.header()}\n{exc}", pytrace=False)
         if not result.ok:
             pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
-        return [result.outcomes[rank].value for rank in range(self.world_size)]
+        values = [result.outcomes[rank].value for rank in range(self.world_size)]
+        self._record_worst_errors(values)
+        return values
+
+    def _record_worst_errors(self, values: list) -> None:
+        for key in WORST_ERROR_KEYS:
+            found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
+            if found:
+                self._properties.append((f"dcp_{key}", max(found)))
 
 
 @pytest.fixture

@@ -1,13 +1,15 @@
-"""Spies for rank functions: calls of an implementation's capability, and
-direct ``torch.distributed`` collectives.
+"""Process-local patches for rank functions: spies on an implementation's
+capability and on direct ``torch.distributed`` collectives, and environment
+variables set for the implementation.
 
-Both patch in the calling process only and restore on exit, so they are safe
+Each patches the calling process only and restores on exit, so it is safe
 under the spawned pool (one process per rank) and under torchrun (the rank
 function runs inside pytest).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,3 +80,21 @@ def spy_on_collectives() -> Iterator[CallLog]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+@contextmanager
+def environment(name: str, value: str | None) -> Iterator[None]:
+    """``os.environ[name] = value`` (None: unset) inside the block only, so a
+    test decides what the implementation reads whatever the session's env."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

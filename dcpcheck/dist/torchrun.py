@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,10 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 # Extra seconds, past the case timeout, before a rank stuck outside any
 # collective dumps its stack and exits (which ends the torchrun job).
 WATCHDOG_GRACE_S = 30.0
+# On CUDA a case that overruns its timeout gets its DCP group's communicator
+# aborted by a timer (see _run_case); 0 keeps NCCL's watchdog from racing
+# that abort or taking the whole torchrun job down on the same timeout.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 
 
 def launched_by_torchrun(environ=os.environ) -> bool:
@@ -51,6 +56,7 @@ class InProcessRanks:
         if device_type == "cuda":
             self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(self.device)
+            os.environ.setdefault(*NCCL_ERROR_HANDLING)
         else:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
@@ -74,7 +80,7 @@ class InProcessRanks:
         try:
             self.group.collective_calls = 0
             ctx = RankContext(self.group, self.device, load_implementation(impl_spec), seed, case)
-            mine = run_rank_case(fn, ctx)
+            mine = self._run_case(fn, ctx, timeout)
             outcomes: list[RankOutcome | None] = [None] * self.world_size
             dist.all_gather_object(outcomes, _picklable(mine), group=self.outcome_group)
         finally:
@@ -84,6 +90,34 @@ class InProcessRanks:
             # A failed case may have left collectives unmatched: start clean.
             self.group = self._new_dcp_group()
         return result
+
+    def _run_case(self, fn, ctx: RankContext, timeout: float) -> RankOutcome:
+        """On CUDA, abort the DCP group's communicator when the case overruns:
+        the stuck collective's kernel then exits and the rank reports. NCCL's
+        own watchdog cannot be relied on for it: it was seen blocked for as
+        long as the main thread waited on the stuck kernel (in ``.item()``)."""
+        if self.device_type != "cuda":
+            return run_rank_case(fn, ctx)
+        aborted = threading.Event()
+
+        def abort_dcp_group() -> None:
+            aborted.set()
+            self.group.device_group.abort()
+
+        timer = threading.Timer(timeout, abort_dcp_group)
+        timer.start()
+        try:
+            outcome = run_rank_case(fn, ctx)
+        finally:
+            timer.cancel()
+            timer.join()  # an abort under way finishes before the outcome is read
+        if not aborted.is_set():
+            return outcome
+        error = (
+            f"[rank {self.rank}] DistBackendError: Timed out after {timeout:g} s (typically waiting in a "
+            f"collective a peer never joined); the DCP group's NCCL communicator was aborted"
+        )
+        return RankOutcome(self.rank, False, error + ("\n" + outcome.error if outcome.error else ""), None, outcome.seconds)
 
     def stop(self) -> None:
         if dist.is_initialized():

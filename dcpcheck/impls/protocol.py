@@ -152,14 +152,20 @@ class DcpImplementation(Protocol):
     def prefill_geometry(
         self, seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int
     ):
-        """Per-step geometry shared by every layer: an object with
-        ``pages`` [R] and ``bases`` [R] int64 tensors and ``total_pages``."""
+        """Geometry of one step's prefill requests (``seq_lens`` [R]: their
+        lengths in tokens after the step), computed once per step and shared
+        by every layer of the KV layout: an object with ``pages`` [R]
+        (``max(1, ceil((L // rho) / (bs*W)))``) and ``bases`` [R]
+        (``sum_{j<i} W*pages_j``) int64 tensors and ``total_pages`` (int)."""
 
     def prefill_gather(
         self, comp_cache: torch.Tensor, block_table: torch.Tensor, geometry, group, *, bs: int
     ) -> torch.Tensor:
-        """All-gather every prefill request's pages, rank-major per request:
-        -> [total_pages * bs, D]."""
+        """All-gather every prefill request's first ``pages_i`` pages of every
+        rank, rank-major per request (request i's pages from rank r start at
+        page ``bases[i] + r*pages[i]``): -> [total_pages * bs, D].
+        ``block_table`` [R, max_blocks] holds this rank's rows of the prefill
+        requests, in the geometry's order."""
 
     def prefill_remap(
         self,
@@ -172,11 +178,30 @@ class DcpImplementation(Protocol):
         world_size: int,
         interleave: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global ids -> slots of the gathered buffer (-1 stays -1).
-        -> (slots [T, K] int32, counts [T] int32)."""
+        """Global ids -> slots of the gathered buffer, in place (-1 stays -1;
+        ``token_to_req`` indexes the geometry's requests).
+        -> (slots [T, K] int32, counts [T] int32: valid ids; invalid tokens
+        get count 0)."""
 
     # ---- the gate ---------------------------------------------------------
-    def build_attention(self, layout, group):
-        """Build the DCP attention path for a KV layout. With W > 1 and
-        DSV41_DCP_STAGE < 3 it raises NotImplementedError naming the variable,
-        before any collective."""
+    def build_attention(self, layout, group, **options):
+        """Build one layer's DCP attention path for ``layout`` (``rho``: 0 =
+        SWA only, ``bs``, ``interleave``, ``world_size``) on ``group``. An
+        invalid layout raises ValueError; then, with W > 1 and
+        DSV41_DCP_STAGE < 3, NotImplementedError naming the variable and the
+        way out, before any forward and any collective. Options the e2e
+        tests pass: ``backend`` ("ag_rs" | "a2a"), ``prefill_gather`` (bool;
+        None = DSV41_DCP_PREFILL_GATHER=1), ``prefill_token_chunk``.
+
+        The layer returned offers:
+
+        * ``plan_step(*, seq_lens [R], token_to_req [T], positions [T],
+          is_valid_token [T], is_prefill_request [R], swa_slots [T, window],
+          swa_write_slots [T] | None, block_table [R, max_blocks] | None)``
+          -> the step's metadata, built once per step and KV layout and
+          given to every layer of that layout;
+        * ``forward(plan, *, q [T, H_loc, D], sink [H_loc], swa_cache,
+          comp_cache=None, topk [T, K]=None, kv [T, D]=None,
+          states [T, D]=None)`` -> [T, H_loc, D]: writes each row's window
+          row (kv) and the compressed state its position completes (states,
+          through the sharded write path), then attends."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from dcpcheck.port.layer import PREFILL_GATHER_ENV, DcpAttentionLayer, validate_layout
+from dcpcheck.port.layer import DcpAttentionLayer, validate_layout
 from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
 
+PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
 
-def reached_stage(environ: Mapping[str, str]) -> int | None:
+
+def reached_stage(environ: Mapping[str, str] = os.environ) -> int | None:
     """The stage ``DSV41_DCP_STAGE`` names; None when unset or empty (all stages)."""
     raw = environ.get(STAGE_ENV, "").strip()
     if not raw:
@@ -27,7 +29,7 @@ def reached_stage(environ: Mapping[str, str]) -> int | None:
     return int(raw)
 
 
-def require_dcp_stage(world_size: int, environ: Mapping[str, str]) -> None:
+def require_dcp_stage(world_size: int, environ: Mapping[str, str] = os.environ) -> None:
     """Raise NotImplementedError when W > 1 and the port has not reached stage 3."""
     stage = reached_stage(environ)
     if world_size > 1 and stage is not None and stage < STAGE_COMBINE:
@@ -38,20 +40,17 @@ def require_dcp_stage(world_size: int, environ: Mapping[str, str]) -> None:
         )
 
 
-def prefill_gather_enabled(environ: Mapping[str, str]) -> bool:
+def prefill_gather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(PREFILL_GATHER_ENV, "").strip() == "1"
 
 
-def build_attention(
-    impl, layout, group, *, prefill_gather: bool | None = None, environ: Mapping[str, str] | None = None, **options
-) -> DcpAttentionLayer:
+def build_attention(impl, layout, group, *, prefill_gather: bool | None = None, **options) -> DcpAttentionLayer:
     """The DCP attention layer of ``layout`` on ``group``, composed of
-    ``impl``'s capabilities. ``prefill_gather=None`` reads
-    ``DSV41_DCP_PREFILL_GATHER``; ``environ`` defaults to the process
-    environment; other options go to :class:`DcpAttentionLayer`."""
-    environ = os.environ if environ is None else environ
+    ``impl``'s capabilities; the environment is read here, at build time.
+    ``prefill_gather=None`` follows ``DSV41_DCP_PREFILL_GATHER=1``; other
+    options go to :class:`DcpAttentionLayer`."""
     validate_layout(layout, group.world_size)
-    require_dcp_stage(group.world_size, environ)
+    require_dcp_stage(group.world_size)
     if prefill_gather is None:
-        prefill_gather = prefill_gather_enabled(environ)
+        prefill_gather = prefill_gather_enabled()
     return DcpAttentionLayer(impl, layout, group, prefill_gather=prefill_gather, **options)

@@ -27,8 +27,6 @@ import torch
 
 from dcpcheck.port.prefill import DCP_PREFILL_TOKEN_CHUNK, PrefillGeometry
 
-PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
-
 
 def layout_key(layout) -> tuple[int, int, int, int]:
     return (layout.rho, layout.bs, layout.interleave, layout.world_size)
@@ -183,6 +181,8 @@ class DcpAttentionLayer:
 
     def _write(self, plan: StepPlan, swa_cache, comp_cache, kv, states) -> None:
         if kv is not None:
+            if plan.swa_write_slots is None:
+                raise ValueError("forward got window rows (kv) but the step plan has no swa_write_slots")
             written = plan.swa_write_slots >= 0
             swa_cache[plan.swa_write_slots[written]] = kv[written].to(swa_cache.dtype)
         if states is not None and self.compressed:

@@ -65,6 +65,7 @@ class LayerStepInputs:
     """One layer's inputs for one step, all heads (CPU)."""
 
     q: torch.Tensor  # [T, H, D]; zeros on padding rows
+    sink: torch.Tensor  # [H] fp32, natural-log logits
     kv: torch.Tensor  # [T, D]: each row's latent (its window row)
     states: torch.Tensor | None  # [T, D]: the state the row's position completes; NaN where none does
     topk: torch.Tensor | None  # [T, K] int32 global state ids, -1 = none
@@ -100,7 +101,7 @@ class LayerTensors:
             states = torch.stack([row if row is not None else torch.full_like(latent[0], float("nan")) for row in completed])
             topk = indexer_topk(rows.positions, rows.row_uids, rho=rho, top_k=self.spec.top_k, seed=self.seed)
             topk[~valid] = topk[0].clone()  # padding rows carry real-looking ids
-        return LayerStepInputs(q=q, kv=latent, states=states, topk=topk)
+        return LayerStepInputs(q=q, sink=self.sink, kv=latent, states=states, topk=topk)
 
     def dense_candidates(self, rows: StepRows, inputs: LayerStepInputs, window: int):
         """The DCP1 view without paging, for the float64 oracle: ``(comp_cache,

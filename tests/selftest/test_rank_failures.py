@@ -60,7 +60,9 @@ def test_rank_that_skips_a_collective_times_out_with_stacks(dcp):
     message, seconds = _failure_message(dcp, skip_collective_on_rank, bad_rank=1)
     assert f"ranks [0] did not finish: timed out after {SHORT_TIMEOUT_S:g} s" in message
     assert "[rank 0] Python stacks at the timeout" in message
-    assert "sum_of_ranks" in message and "all_reduce" in message
+    assert "sum_of_ranks" in message
+    if dcp.device_type == "cpu":  # gloo blocks inside all_reduce; NCCL returns and blocks at .item()
+        assert "all_reduce" in message
     assert SHORT_TIMEOUT_S <= seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
 
 

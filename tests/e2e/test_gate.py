@@ -1,0 +1,118 @@
+"""The implementation's stage gate (DESIGN.md "The gate"): part of reaching stage 3.
+
+With W > 1 and ``DSV41_DCP_STAGE`` below 3, building the DCP attention path
+must raise NotImplementedError naming the variable and the way out, once the
+KV layout is known (an invalid layout is reported as such first), before any
+forward and before any collective: no collective through the group, and none
+straight through torch.distributed. From stage 3 on, or unset, it builds; at
+W = 1 it builds and runs at any stage. Every case sets the variable itself,
+inside the ranks, so the session's own value does not matter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.compare import MismatchError
+from dcpcheck.scenarios.layers import LayerLayout
+from dcpcheck.spies import environment, spy_on_collectives
+from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
+from tests.e2e.test_serving_trace import check_serving_trace
+
+pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("build_attention")]
+
+STAGES_BELOW_COMBINE = ("0", "1", "2")
+STAGES_FROM_COMBINE = ("3", "9", None)  # None: unset, every stage
+VALID_LAYOUTS = {"C4A": (4, 8, 2), "C128A": (128, 2, 1), "SWA only": (0, 1, 1)}  # rho, bs, S
+WAY_OUT = (f"{STAGE_ENV}>={STAGE_COMBINE}", "world size 1")
+
+
+def layout_of(name: str, world_size: int) -> LayerLayout:
+    rho, bs, interleave = VALID_LAYOUTS[name]
+    return LayerLayout(rho=rho, bs=bs, interleave=interleave, world_size=world_size)
+
+
+def build_counting_collectives(ctx, layout, stage: str | None):
+    """build_attention under ``DSV41_DCP_STAGE=stage`` -> (layer or the exception
+    it raised, collectives it made through the group and directly)."""
+    calls_before = ctx.group.collective_calls
+    with environment(STAGE_ENV, stage), spy_on_collectives() as direct:
+        try:
+            outcome = ctx.impl.build_attention(layout, ctx.group)
+        except Exception as exc:  # noqa: BLE001 - the caller checks which exception
+            outcome = exc
+    return outcome, ctx.group.collective_calls - calls_before, [name for name, _ in direct.calls]
+
+
+def check_gate_refuses(ctx):
+    for name in VALID_LAYOUTS:
+        for stage in STAGES_BELOW_COMBINE:
+            where = f"W={ctx.world_size} rank {ctx.rank}, {STAGE_ENV}={stage}, {name} layout"
+            outcome, via_group, direct = build_counting_collectives(ctx, layout_of(name, ctx.world_size), stage)
+            if not isinstance(outcome, NotImplementedError):
+                raise MismatchError(f"{where}: build_attention must raise NotImplementedError before any forward; "
+                                    f"it {'raised ' + repr(outcome) if isinstance(outcome, Exception) else 'built a layer'}")
+            message = str(outcome)
+            missing = [part for part in (STAGE_ENV, *WAY_OUT) if part not in message]
+            if missing:
+                raise MismatchError(f"{where}: the message must name {STAGE_ENV} and the way out "
+                                    f"({' or '.join(WAY_OUT)}); it lacks {missing}: {message!r}")
+            if via_group or direct:
+                raise MismatchError(f"{where}: the gate must refuse before any collective; it made {via_group} "
+                                    f"through the group and {direct} directly through torch.distributed")
+
+
+def check_layout_checked_first(ctx):
+    """A layout the port cannot run is reported as a layout error even below
+    stage 3 (the gate runs once the layout is known)."""
+    invalid = {
+        "bs % S != 0": LayerLayout(rho=4, bs=6, interleave=4, world_size=ctx.world_size),
+        "layout for another W": LayerLayout(rho=4, bs=8, interleave=2, world_size=ctx.world_size + 1),
+    }
+    for what, layout in invalid.items():
+        outcome, via_group, direct = build_counting_collectives(ctx, layout, "2")
+        if not isinstance(outcome, ValueError) or via_group or direct:
+            raise MismatchError(f"W={ctx.world_size} rank {ctx.rank}, {what}: expected a ValueError about the layout "
+                                f"and no collective, got {outcome!r} and {via_group + len(direct)} collectives")
+
+
+def check_gate_admits(ctx):
+    for name in VALID_LAYOUTS:
+        for stage in STAGES_FROM_COMBINE:
+            outcome, _, _ = build_counting_collectives(ctx, layout_of(name, ctx.world_size), stage)
+            if isinstance(outcome, Exception):
+                raise MismatchError(f"W={ctx.world_size} rank {ctx.rank}, {STAGE_ENV}={stage}, {name} layout: "
+                                    f"build_attention must build from stage {STAGE_COMBINE} on; it raised {outcome!r}")
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+def test_gate_refuses_dcp_below_stage_3_before_any_collective(dcp):
+    dcp.run(check_gate_refuses)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+def test_gate_reports_an_invalid_layout_first(dcp):
+    dcp.run(check_layout_checked_first)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+def test_gate_admits_stage_3_and_later(dcp):
+    dcp.run(check_gate_admits)
+
+
+def check_single_rank_at_any_stage(ctx):
+    """W = 1 builds at every stage, and at stage 0 the whole serving trace
+    still matches the oracle."""
+    for name in VALID_LAYOUTS:
+        for stage in STAGES_BELOW_COMBINE:
+            outcome, _, _ = build_counting_collectives(ctx, layout_of(name, 1), stage)
+            if isinstance(outcome, Exception):
+                raise MismatchError(f"W=1, {STAGE_ENV}={stage}, {name} layout: W = 1 must build at any stage; "
+                                    f"build_attention raised {outcome!r}")
+    with environment(STAGE_ENV, "0"):
+        return check_serving_trace(ctx, backend="ag_rs", prefill_gather=False)
+
+
+@pytest.mark.world_sizes(1)
+def test_single_rank_runs_at_any_stage(dcp):
+    dcp.run(check_single_rank_at_any_stage)

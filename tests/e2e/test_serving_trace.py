@@ -1,0 +1,124 @@
+"""End to end: a small DSV4.1-like stack driven through a serving trace.
+
+Layers: SWA only (rho 0), C4A (rho 4, indexer top-k with the short-context
+shortcut) twice with one KV layout, and C128A (rho 128, every state); sinks
+and a window everywhere. The trace has chunked prefills, decodes, spec-decode
+rows, requests joining and finishing (freed pages reused) and padded rows. KV
+is written step by step through the implementation's sharded write path.
+Every layer's output at every step, for this rank's heads, must equal the
+implementation's W = 1 stack and the float64 oracle (which reads dense
+per-request states: no paging, no sharding).
+
+Layers do not feed each other: each layer's inputs are drawn from the seed,
+so every comparison is one attention against a reference computed from the
+same rounded inputs, within the single-op tolerances of dcpcheck.compare.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.compare import MismatchError, assert_close
+from dcpcheck.dist.group import DcpGroup
+from dcpcheck.oracle import attention as oracle
+from dcpcheck.scenarios.layers import LayerSpec, LayerTensors
+from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows
+from dcpcheck.spies import spy_on_capability
+from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
+from tests.e2e.stack import RankStack
+from tests.stage3_combine.common import own_heads
+
+pytestmark = pytest.mark.needs("build_attention", "slot_mapping", "filter_index", "dcp_attention", "sparse_attention")
+
+NUM_HEADS = 8
+HEAD_DIM = 64
+WINDOW = 8  # DSV4 uses 128; small keeps the CPU run fast and the window short of most requests
+LAYERS = (
+    LayerSpec(rho=0),
+    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),
+    LayerSpec(rho=128, bs=2, interleave=1, top_k=4),
+    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),  # same layout as layer 1: shares its step metadata
+)
+REQUESTS = [
+    RequestSpec(uid=0, arrival=0, prompt_len=300, decode_steps=2),  # prefilled over two steps
+    RequestSpec(uid=1, arrival=0, prompt_len=37, decode_steps=3, tokens_per_decode=3),  # spec decode
+    RequestSpec(uid=2, arrival=1, prompt_len=3, decode_steps=3),  # no compressed state until it decodes
+    RequestSpec(uid=3, arrival=1, prompt_len=140, decode_steps=1),  # completes a C128A state mid-prefill
+    RequestSpec(uid=4, arrival=4, prompt_len=90, decode_steps=1),  # joins after uid 0 left: reuses its pages
+]
+TOKEN_BUDGET = 160
+PAD_TO = 8
+
+
+def check_serving_trace(ctx, *, backend, prefill_gather):
+    heads = own_heads(ctx, NUM_HEADS)
+    steps = schedule_trace(REQUESTS, token_budget=TOKEN_BUDGET, pad_to=PAD_TO)
+    tensors = [
+        LayerTensors(spec, REQUESTS, num_heads=NUM_HEADS, head_dim=HEAD_DIM, seed=ctx.seed + 7919 * index)
+        for index, spec in enumerate(LAYERS)
+    ]
+    stack_args = dict(head_dim=HEAD_DIM, window=WINDOW, heads=heads, seed=ctx.seed)
+    dcp_stack = RankStack(ctx.impl, ctx.group, LAYERS, REQUESTS, **stack_args, backend=backend, prefill_gather=prefill_gather)
+    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=ctx.device, device_group=None, cpu_group=None)
+    dcp1_stack = RankStack(ctx.impl, single_rank, LAYERS, REQUESTS, **stack_args, prefill_gather=False)
+    path = "gather" if prefill_gather else "stage 3 sub-chunks"
+    worst: dict[str, float] = {}
+
+    with spy_on_capability(ctx.impl, "prefill_geometry") as geometry_calls:
+        for step_index, step in enumerate(steps):
+            rows = step_rows(step)
+            inputs = [data.step_inputs(rows) for data in tensors]
+            dcp_out = dcp_stack.step(rows, inputs)
+            dcp1_out = dcp1_stack.step(rows, inputs)
+            labels = tuple(f"{label}, position {p}" for label, p in zip(rows.row_labels, rows.positions.tolist()))
+            for index, (spec, data, layer_inputs) in enumerate(zip(LAYERS, tensors, inputs)):
+                comp_cache, comp_slots, swa_cache, swa_slots = data.dense_candidates(rows, layer_inputs, WINDOW)
+                want, _ = oracle.sparse_attention(
+                    layer_inputs.q[:, heads], comp_cache, comp_slots, swa_cache, swa_slots, layer_inputs.sink[heads],
+                    scale=HEAD_DIM**-0.5,
+                )
+                context = {
+                    "stage": "e2e", "W": ctx.world_size, "rank": ctx.rank, "backend": backend, "prefill": path,
+                    "step": step_index, "layer": f"{index} (rho {spec.rho})",
+                }
+                for what, actual, expected in (
+                    ("DCP-W vs float64 oracle", dcp_out[index], want),
+                    ("DCP-W vs the implementation's W=1 stack", dcp_out[index], dcp1_out[index]),
+                    ("W=1 stack vs float64 oracle", dcp1_out[index], want),
+                ):
+                    stats = assert_close(actual, expected, what=what, context=context, row_labels=labels)
+                    worst[what] = max(worst.get(what, 0.0), stats.worst_ratio)
+            dcp_stack.finish(step.finished)
+            dcp1_stack.finish(step.finished)
+
+    check_geometry_once_per_step(ctx, steps, prefill_gather, len(geometry_calls))
+    return worst
+
+
+def check_geometry_once_per_step(ctx, steps, prefill_gather: bool, calls: int) -> None:
+    """The gather geometry is computed once per step and KV layout, not per layer."""
+    compressed_layouts = len({(spec.rho, spec.bs, spec.interleave) for spec in LAYERS if spec.compressed})
+    prefill_steps = sum(any(run.role == "prefill" for run in step.runs) for step in steps)
+    expected = compressed_layouts * prefill_steps if prefill_gather else 0
+    if calls != expected:
+        raise MismatchError(
+            f"e2e W={ctx.world_size} rank {ctx.rank}: prefill_geometry called {calls} times over {prefill_steps} "
+            f"prefill steps; expected {expected} (once per step for each of {compressed_layouts} KV layouts)"
+        )
+
+
+# Both backends through stage 3 (decode and prefill), and the stage-9 gather
+# (whose prefill rows use no combine) with one of them: the stage-9 tests run
+# the gather with both.
+@pytest.mark.parametrize(
+    "backend, prefill_gather",
+    [
+        pytest.param("ag_rs", False, marks=pytest.mark.stage(STAGE_COMBINE)),
+        pytest.param("a2a", False, marks=pytest.mark.stage(STAGE_COMBINE)),
+        pytest.param("a2a", True, marks=[
+            pytest.mark.stage(STAGE_PREFILL), pytest.mark.needs("prefill_geometry", "prefill_gather", "prefill_remap"),
+        ]),
+    ],
+)
+def test_serving_trace_matches_dcp1(dcp, backend, prefill_gather):
+    dcp.run(check_serving_trace, backend=backend, prefill_gather=prefill_gather)

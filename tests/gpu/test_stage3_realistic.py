@@ -1,0 +1,113 @@
+"""Stage 3 at the realistic profile (CUDA): a decode step of up to 256 rows
+through the implementation's stage-1 filter and whole stage-3 path
+(gather, partial attention over top-k 512 + window 128 + sink, combine) at
+64 heads of D = 512 in bf16, against DCP1: the implementation's own W = 1
+path on every row, and the float64 oracle on spot rows (every edge case).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dcpcheck.compare import assert_close
+from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
+from dcpcheck.scenarios.batch import StepBatch, dcp1_block_table, rank_block_table
+from dcpcheck.scenarios.profiles import PROFILES
+from dcpcheck.stages import STAGE_COMBINE
+from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, single_rank_group, spot_rows, summary
+from tests.stage1_index.calls import filter_on_rank
+from tests.stage3_combine.test_sharded_attention import stage1_slots
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.stage(STAGE_COMBINE),
+    pytest.mark.needs("filter_index", "dcp_attention"),
+]
+
+ORACLE_STRIDE = 8  # every 8th row (plus every edge-case row) against float64
+
+
+@dataclass(frozen=True)
+class DecodeScenario:
+    """One rank's view of a realistic decode step, and its float64 reference."""
+
+    batch: StepBatch
+    inputs: AttentionInputs
+    heads: slice  # this rank's heads
+    table: torch.Tensor  # this rank's block table
+    comp_cache: torch.Tensor  # this rank's compressed cache, on the device
+    swa_cache: torch.Tensor  # on the device
+    swa_slots: torch.Tensor  # on the device
+    dcp1_table: torch.Tensor
+    dcp1_cache: torch.Tensor  # every state on one rank, on the device
+    spot_rows: torch.Tensor
+    oracle_out: torch.Tensor  # [len(spot_rows), H_loc, D] float64
+
+
+@functools.lru_cache(maxsize=1)  # the backends of one rho share it: built once per rank process
+def decode_scenario(profile: str, rho: int, world_size: int, rank: int, seed: int, device: torch.device) -> DecodeScenario:
+    shapes = PROFILES[profile]
+    batch = shapes.decode_batch(rho, world_size, seed)
+    inputs = build_attention_inputs(
+        batch, num_heads=shapes.num_heads, head_dim=shapes.head_dim, window=shapes.window, dtype=shapes.dtype, seed=seed + 1
+    )
+    heads_local = shapes.num_heads // world_size
+    heads = slice(rank * heads_local, (rank + 1) * heads_local)
+    table, dcp1_table = rank_block_table(batch, rank), dcp1_block_table(batch)
+    dcp1_cache = comp_cache_for(batch, inputs, dcp1_table, rank=0, world_size=1)
+    rows = spot_rows(batch, ORACLE_STRIDE)
+    oracle_out, _ = oracle_spot_check(
+        inputs.q[:, heads], dcp1_cache, stage1_slots(batch, dcp1_table, world_size=1, rank=0),
+        inputs.swa_cache, inputs.swa_slots, inputs.sink[heads], scale=inputs.scale, rows=rows,
+    )
+    return DecodeScenario(
+        batch, inputs, heads, table,
+        comp_cache_for(batch, inputs, table, rank=rank, world_size=world_size).to(device),
+        inputs.swa_cache.to(device), inputs.swa_slots.to(device),
+        dcp1_table, dcp1_cache.to(device), rows, oracle_out,
+    )  # fmt: skip
+
+
+def check_realistic_decode(ctx, *, profile, rho, backend, scenario_seed):
+    W, rank, device, impl = ctx.world_size, ctx.rank, ctx.device, ctx.impl
+    scenario = decode_scenario(profile, rho, W, rank, scenario_seed, device)
+    batch, inputs, heads = scenario.batch, scenario.inputs, scenario.heads
+    context = {"stage": STAGE_COMBINE, "W": W, "rank": rank, "profile": profile, "rho": rho,
+               "backend": backend, "T": batch.num_tokens, "scenario_seed": scenario_seed}  # fmt: skip
+
+    slots, _ = filter_on_rank(impl, batch, scenario.table, device, world_size=W, rank=rank)
+    out = impl.dcp_attention(
+        inputs.q[:, heads].to(device), inputs.sink[heads].to(device), scenario.comp_cache, slots.to(device),
+        scenario.swa_cache, scenario.swa_slots, ctx.group, scale=inputs.scale, backend=backend,
+    ).cpu()
+    dcp1_slots, _ = filter_on_rank(impl, batch, scenario.dcp1_table, device, world_size=1, rank=0)
+    dcp1 = impl.dcp_attention(
+        inputs.q.to(device), inputs.sink.to(device), scenario.dcp1_cache, dcp1_slots.to(device),
+        scenario.swa_cache, scenario.swa_slots, single_rank_group(device), scale=inputs.scale,
+    )[:, heads].cpu()
+
+    rows = scenario.spot_rows.tolist()
+    head_offsets = (0, heads.start, 0)  # messages name global heads
+    stats = {
+        "vs the implementation's W=1 path": assert_close(
+            out, dcp1, what="realistic decode vs the implementation's W=1 path",
+            context=context, row_labels=batch.row_labels, offsets=head_offsets,
+        ),
+        "vs float64 DCP1 oracle (spot rows)": assert_close(
+            out[scenario.spot_rows], scenario.oracle_out, what="realistic decode vs float64 DCP1 oracle (spot rows)",
+            context=context, row_labels=[f"batch row {t}: {batch.row_labels[t]}" for t in rows], offsets=head_offsets,
+        ),
+    }  # fmt: skip
+    return summary(stats)
+
+
+@pytest.mark.parametrize("rho, backend", [(4, "ag_rs"), (4, "a2a"), (128, "ag_rs"), (128, "a2a")])
+def test_realistic_decode_matches_dcp1(dcp, rho, backend):
+    dcp.run(
+        check_realistic_decode, profile=profile_name(dcp), rho=rho, backend=backend,
+        scenario_seed=shared_seed(dcp, f"decode-rho{rho}"),
+    )  # fmt: skip

@@ -1,0 +1,54 @@
+"""Stage 3: properties the mutation report found unchecked.
+
+``SentinelGivenWeight`` (``tools/mutation_report.py``) treats only -inf as an
+empty partial and merges the -1e30 sentinel as a real LSE. In
+:func:`tests.stage3_combine.test_combine.synthetic_partials` every row whose
+ranks are all at the sentinel has zero outputs, and a weighted mean of zeros
+is zero, so that bug passed. Here the outputs under the sentinel are garbage
+(NaN, or random values, as a kernel may leave for a row with no candidate):
+DESIGN.md section 1 says an empty row is the identity in the combine, never
+weight, so the merge must still be 0 with the empty LSE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpcheck.compare import assert_close, assert_lse_close
+from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
+from dcpcheck.stages import STAGE_COMBINE
+from tests.stage3_combine.common import LSE_BASES, failure_context, own_heads
+from tests.stage3_combine.test_combine import synthetic_partials
+
+pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
+
+NUM_HEADS = 8
+NAN_ROW = 0  # synthetic_partials: every rank at the sentinel
+GARBAGE_ROW = 8  # a random row, turned into one with every rank at the sentinel
+
+
+def check_sentinel_gets_no_weight(ctx, *, backend, lse_base):
+    base = LSE_BASES[lse_base]
+    context = failure_context(ctx, backend=backend, lse_base=lse_base, H=NUM_HEADS)
+    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, torch.float32)
+    outs[:, NAN_ROW] = float("nan")
+    lses[:, GARBAGE_ROW] = EMPTY_LSE  # its random outputs stay
+
+    heads = own_heads(ctx, NUM_HEADS)
+    report = {"context": context, "offsets": (0, heads.start, 0)}
+    merged, merged_lse = ctx.impl.combine(
+        outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device), ctx.group,
+        backend=backend, lse_base=base, return_lse=True,
+    )
+    want_out, want_lse = merge_partials(outs, lses, lse_base=base)
+    stats = assert_close(merged, want_out[:, heads], what="combined output, garbage under the sentinel, vs oracle merge", **report)
+    assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE, garbage under the sentinel, vs oracle merge", **report)
+    return stats.as_dict()
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize("lse_base", ["2", "e"])
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_sentinel_partial_gets_no_weight(dcp, backend, lse_base):
+    dcp.run(check_sentinel_gets_no_weight, backend=backend, lse_base=lse_base)

@@ -1,0 +1,111 @@
+"""What the stage-9 tests share: one prefill step on this rank, its DCP1
+references, and running the implementation's attention layer over it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcpcheck.compare import format_context
+from dcpcheck.dist.group import DcpGroup
+from dcpcheck.oracle import attention as oracle
+from dcpcheck.oracle.prefill import dense_state_slots
+from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
+from dcpcheck.scenarios.batch import KvLayout, StepBatch, dcp1_block_table, rank_block_table
+from dcpcheck.scenarios.trace import PREFILL_REQUESTS, build_prefill_batch
+from dcpcheck.stages import STAGE_PREFILL
+from tests.stage3_combine.common import DTYPES, own_heads
+
+NUM_HEADS = 8  # W = 8 leaves one head per rank
+HEAD_DIM = 64
+WINDOW = 8
+
+
+@dataclass
+class PrefillStep:
+    """One prefill step as this rank sees it (tensors on the rank's device)."""
+
+    batch: StepBatch
+    inputs: AttentionInputs
+    heads: slice
+    block_table: torch.Tensor
+    comp_cache: torch.Tensor
+    context: dict  # what failure messages name: stage, W, rank, case parameters
+
+    @property
+    def case(self) -> str:
+        return format_context(self.context)
+
+    @property
+    def row_labels(self) -> tuple[str, ...]:
+        kinds = [PREFILL_REQUESTS[req] for req in self.batch.token_to_req.tolist()]
+        return tuple(
+            f"{label}, request {req} ({kind}), position {p}"
+            for label, req, kind, p in zip(
+                self.batch.row_labels, self.batch.token_to_req.tolist(), kinds, self.batch.positions.tolist()
+            )
+        )
+
+
+def prefill_step(ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, **context) -> PrefillStep:
+    layout = KvLayout(rho=rho, bs=bs, interleave=S, world_size=ctx.world_size)
+    batch = build_prefill_batch(layout, top_k=top_k, seed=ctx.seed, long_chunk=long_chunk)
+    inputs = build_attention_inputs(
+        batch, num_heads=NUM_HEADS, head_dim=HEAD_DIM, window=WINDOW, dtype=DTYPES[dtype_name], seed=ctx.seed + 1
+    )
+    table = rank_block_table(batch, ctx.rank)
+    cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
+    full_context = {
+        "stage": STAGE_PREFILL, "W": ctx.world_size, "rank": ctx.rank,
+        "rho": rho, "S": S, "bs": bs, "K": top_k, "dtype": dtype_name, **context,
+    }
+    return PrefillStep(batch, inputs, own_heads(ctx, NUM_HEADS), table.to(ctx.device), cache.to(ctx.device), full_context)
+
+
+def run_layer(layer, step: PrefillStep, device, *, block_table=None, comp_cache=None, heads=None) -> torch.Tensor:
+    """One forward of ``layer`` over the step, every request a prefill request
+    (the padding rows are not prefill rows). -> CPU [T, H_loc, D]."""
+    batch, inputs = step.batch, step.inputs
+    heads = step.heads if heads is None else heads
+    plan = layer.plan_step(
+        seq_lens=batch.seq_lens.to(device),
+        token_to_req=batch.token_to_req.to(device),
+        positions=batch.positions.to(device),
+        is_valid_token=batch.is_valid_token.to(device),
+        is_prefill_request=torch.ones(batch.num_requests, dtype=torch.bool, device=device),
+        swa_slots=inputs.swa_slots.to(device),
+        block_table=step.block_table if block_table is None else block_table,
+    )
+    out = layer.forward(
+        plan,
+        q=inputs.q[:, heads].to(device),
+        sink=inputs.sink[heads].to(device),
+        swa_cache=inputs.swa_cache.to(device),
+        comp_cache=step.comp_cache if comp_cache is None else comp_cache,
+        topk=batch.topk.to(device),
+    )
+    return out.cpu()
+
+
+def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
+    """Float64 DCP1 attention of the rank's heads, over dense per-request states
+    (no paging, no sharding): [T, H_loc, D]."""
+    batch, inputs = step.batch, step.inputs
+    comp_slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
+    out, _ = oracle.sparse_attention(
+        inputs.q[:, step.heads], inputs.states, comp_slots, inputs.swa_cache, inputs.swa_slots,
+        inputs.sink[step.heads], scale=inputs.scale,
+    )
+    return out
+
+
+def port_dcp1(ctx, step: PrefillStep) -> torch.Tensor:
+    """The implementation's own W = 1 path (its default prefill path) on one
+    rank holding every state, for this rank's heads: [T, H_loc, D]."""
+    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=ctx.device, device_group=None, cpu_group=None)
+    layout = KvLayout(rho=step.batch.layout.rho, bs=step.batch.layout.bs, interleave=step.batch.layout.interleave, world_size=1)
+    table = dcp1_block_table(step.batch)
+    cache = comp_cache_for(step.batch, step.inputs, table, rank=0, world_size=1)
+    layer = ctx.impl.build_attention(layout, single_rank, prefill_gather=False)
+    return run_layer(layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device))

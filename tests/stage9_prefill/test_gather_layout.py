@@ -1,0 +1,112 @@
+"""Stage 9, exactly: the gather geometry, the id remap and the gathered buffer
+against the oracle layout, id by id.
+
+Every rank builds the same prefill step (requests shorter than a page, with
+no state yet, spanning many virtual blocks), writes its own compressed cache
+through its block table, gathers, and checks: pages and bases per request;
+each top-k id's slot in the buffer (the message names request, token row,
+id, expected and actual slot); counts; and that the buffer holds, at the
+oracle's slot of every state of every request, exactly that state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpcheck.compare import MismatchError, assert_equal_ints, fail_if_problems
+from dcpcheck.oracle.prefill import gather_geometry, gathered_slot, remap_reference
+from dcpcheck.scenarios.trace import PREFILL_REQUESTS
+from dcpcheck.stages import STAGE_PREFILL
+from tests.stage9_prefill.common import prefill_step
+
+pytestmark = [
+    pytest.mark.stage(STAGE_PREFILL),
+    pytest.mark.needs("prefill_geometry", "prefill_remap", "prefill_gather"),
+]
+
+
+def request_name(req: int) -> str:
+    return f"request {req} ({PREFILL_REQUESTS[req]})"
+
+
+def check_geometry(ctx, step, geometry, expected) -> None:
+    batch = step.batch
+    for field in ("pages", "bases"):
+        assert_equal_ints(
+            getattr(geometry, field).cpu(), getattr(expected, field), case=step.case,
+            what=f"prefill geometry {field} vs the oracle (lengths {batch.seq_lens.tolist()})",
+            name_index=request_name,
+        )
+    if geometry.total_pages != expected.total_pages:
+        raise MismatchError(f"{step.case}: total_pages {geometry.total_pages}, expected {expected.total_pages}")
+
+
+def check_remap(ctx, step, geometry, expected) -> None:
+    batch, layout = step.batch, step.batch.layout
+    device = ctx.device
+    slots, counts = ctx.impl.prefill_remap(
+        batch.topk.to(device), batch.token_to_req.to(device), batch.is_valid_token.to(device), geometry,
+        bs=layout.bs, world_size=ctx.world_size, interleave=layout.interleave,
+    )
+    expected_slots, expected_counts = remap_reference(
+        batch.topk, batch.token_to_req, batch.is_valid_token, expected,
+        bs=layout.bs, S=layout.interleave, W=ctx.world_size,
+    )
+    for name, tensor in (("slots", slots), ("counts", counts)):
+        if tensor.dtype != torch.int32:
+            raise MismatchError(f"{step.case}: prefill_remap returned {name} {tensor.dtype}, expected torch.int32")
+    requests, positions, topk = batch.token_to_req.tolist(), batch.positions.tolist(), batch.topk.tolist()
+
+    def name_entry(t: int, k: int) -> str:
+        return (f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]}, position {positions[t]}), "
+                f"id {topk[t][k]} (column {k}) slot")
+
+    assert_equal_ints(slots.cpu(), expected_slots, case=step.case,
+                      what="gathered-buffer slot of each top-k id vs the oracle", name_index=name_entry)
+    assert_equal_ints(counts.cpu(), expected_counts, case=step.case, what="remap counts (valid ids)",
+                      name_index=lambda t: f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]})")
+
+
+def check_buffer(ctx, step, geometry, expected) -> None:
+    """The gathered buffer holds every state of every request at its oracle slot."""
+    batch, layout, inputs = step.batch, step.batch.layout, step.inputs
+    buffer = ctx.impl.prefill_gather(step.comp_cache, step.block_table, geometry, ctx.group, bs=layout.bs).cpu()
+    want_shape = (expected.total_pages * layout.bs, inputs.states.shape[1])
+    if tuple(buffer.shape) != want_shape:
+        raise MismatchError(f"{step.case}: gathered buffer {tuple(buffer.shape)}, expected {want_shape}")
+    num_states = batch.num_states
+    req = torch.repeat_interleave(torch.arange(batch.num_requests), num_states)
+    c = torch.arange(req.numel()) - inputs.state_offsets[req]
+    slot = gathered_slot(c, req, expected, bs=layout.bs, S=layout.interleave, W=ctx.world_size)
+    wrong = (~(buffer[slot] == inputs.states).all(dim=1)).nonzero().flatten().tolist()
+    problems = [
+        f"{request_name(int(req[i]))} state {int(c[i])}: buffer slot {int(slot[i])} does not hold it"
+        for i in wrong[:8]
+    ]
+    fail_if_problems(step.case, "gathered buffer contents vs every rank's states", problems, total=len(wrong))
+
+
+def check_gather_layout(ctx, *, rho, S, bs, K):
+    """Geometry, remap and buffer, each judged against the oracle; all three
+    always run (every rank joins the gather) and their problems are reported
+    together, so a wrong page count also shows the ids it misplaces."""
+    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K)
+    expected = gather_geometry(step.batch.seq_lens, rho=rho, bs=bs, W=ctx.world_size)
+    geometry = ctx.impl.prefill_geometry(step.batch.seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=ctx.world_size)
+    problems = []
+    for check in (check_geometry, check_remap, check_buffer):
+        try:
+            check(ctx, step, geometry, expected)
+        except MismatchError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise MismatchError("\n".join(problems))
+
+
+@pytest.mark.parametrize(
+    "rho, S, bs, K",
+    [(4, 1, 2, 16), (4, 2, 8, 16), (4, 4, 8, 33), (128, 1, 2, 8)],
+)
+def test_gather_layout_matches_oracle(dcp, rho, S, bs, K):
+    dcp.run(check_gather_layout, rho=rho, S=S, bs=bs, K=K)

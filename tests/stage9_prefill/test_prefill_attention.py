@@ -1,0 +1,148 @@
+"""Stage 9 in floats: prefill through the implementation's attention layer
+equals DCP1 for the rank's heads, on both prefill paths.
+
+DCP1 is checked twice: the float64 oracle over dense per-request states (no
+paging, no sharding) and the implementation's own W = 1 layer. The gathered
+path attends the rank's local heads over every rank's pages; the non-gather
+path runs stage 3 in sub-chunks, which must equal the unsplit run and keep
+every all-gathered q block within the chunk (the point of sub-chunking).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.compare import MismatchError, assert_close
+from dcpcheck.spies import environment, spy_on_capability, spy_on_collectives
+from dcpcheck.stages import STAGE_PREFILL
+from tests.stage9_prefill.common import HEAD_DIM, oracle_dcp1, port_dcp1, prefill_step, run_layer
+
+pytestmark = [
+    pytest.mark.stage(STAGE_PREFILL),
+    pytest.mark.needs("build_attention", "prefill_geometry", "prefill_gather", "prefill_remap"),
+]
+
+DESIGN_PREFILL_TOKEN_CHUNK = 2048  # DESIGN.md: non-gather prefill sub-chunks hold at most this many tokens
+SMALL_CHUNK = 7
+PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
+
+
+def check_against_dcp1(ctx, step, out, what: str) -> dict:
+    """out vs the float64 oracle and vs the implementation's W = 1 path."""
+    oracle_out = oracle_dcp1(step)
+    port_out = port_dcp1(ctx, step)
+    kwargs = {"context": step.context, "row_labels": step.row_labels}
+    return {
+        f"{what} vs float64 DCP1": assert_close(out, oracle_out, what=f"{what} vs float64 DCP1 oracle", **kwargs).worst_ratio,
+        f"{what} vs W=1": assert_close(out, port_out, what=f"{what} vs the implementation's W=1 path", **kwargs).worst_ratio,
+    }
+
+
+def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend):
+    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, dtype_name=dtype_name, backend=backend)
+    layer = ctx.impl.build_attention(step.batch.layout, ctx.group, prefill_gather=True, backend=backend)
+    with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
+        out = run_layer(layer, step, ctx.device)
+    if len(gathers) != 1:
+        raise MismatchError(f"{step.case}: the gathered path called prefill_gather {len(gathers)} times, expected once")
+    return check_against_dcp1(ctx, step, out, "gathered prefill")
+
+
+@pytest.mark.parametrize(
+    "rho, S, bs, K, dtype_name, backend",
+    [
+        (4, 1, 2, 16, "fp32", "ag_rs"),
+        (4, 2, 8, 16, "fp32", "a2a"),
+        (4, 4, 8, 24, "bf16", "ag_rs"),
+        (128, 1, 2, 64, "fp32", "a2a"),  # C128A: K covers every state
+    ],
+)
+def test_gathered_prefill_matches_dcp1(dcp, rho, S, bs, K, dtype_name, backend):
+    dcp.run(check_gathered_prefill, rho=rho, S=S, bs=bs, K=K, dtype_name=dtype_name, backend=backend)
+
+
+def largest_q_gather(collectives, heads_local: int) -> int:
+    """Most token rows in one all-gathered q block [t, H_loc, D]."""
+    rows = [
+        shapes[-1][0]
+        for name, shapes in collectives.calls
+        if name == "all_gather_into_tensor" and shapes and shapes[-1][1:] == (heads_local, HEAD_DIM)
+    ]
+    return max(rows, default=0)
+
+
+def run_counting_q_gathers(ctx, layer, step, *, bound: int):
+    """One forward -> (output, most token rows in one all-gathered q block);
+    fails when that exceeds ``bound`` (sub-chunking is what bounds it)."""
+    with spy_on_collectives() as collectives:
+        out = run_layer(layer, step, ctx.device)
+    largest = largest_q_gather(collectives, step.heads.stop - step.heads.start)
+    if largest > bound:
+        raise MismatchError(f"{step.case}: an all-gathered q block holds {largest} tokens, "
+                            f"more than the sub-chunk of {bound}")
+    return out, largest
+
+
+def check_sub_chunks(ctx, step, chunk: int | None, backend: str) -> dict:
+    """The non-gather path in sub-chunks of ``chunk`` tokens (None: the
+    implementation's default, DESIGN_PREFILL_TOKEN_CHUNK) keeps every
+    all-gathered q block within the chunk, and equals the unsplit path and DCP1."""
+    options = {} if chunk is None else {"prefill_token_chunk": chunk}
+    bound = chunk or DESIGN_PREFILL_TOKEN_CHUNK
+    if step.batch.num_tokens <= bound:
+        raise ValueError(f"{step.case}: {step.batch.num_tokens} rows fit one sub-chunk of {bound}: nothing is split")
+    chunked = ctx.impl.build_attention(step.batch.layout, ctx.group, prefill_gather=False, backend=backend, **options)
+    unsplit = ctx.impl.build_attention(
+        step.batch.layout, ctx.group, prefill_gather=False, backend=backend, prefill_token_chunk=None
+    )
+    out, largest = run_counting_q_gathers(ctx, chunked, step, bound=bound)
+    whole = run_layer(unsplit, step, ctx.device)
+    what = f"prefill in sub-chunks of {bound}"
+    worst = {"chunked vs unsplit": assert_close(out, whole, what=f"{what} vs unsplit", context=step.context,
+                                                row_labels=step.row_labels).worst_ratio}
+    worst.update(check_against_dcp1(ctx, step, out, what))
+    return {"largest_q_gather": largest, **worst}
+
+
+def check_small_chunks(ctx, *, backend):
+    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, sub_chunk=SMALL_CHUNK, backend=backend)
+    return check_sub_chunks(ctx, step, SMALL_CHUNK, backend)
+
+
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_small_sub_chunks_match_unsplit_and_dcp1(dcp, backend):
+    dcp.run(check_small_chunks, backend=backend)
+
+
+def check_default_chunks(ctx):
+    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, long_chunk=DESIGN_PREFILL_TOKEN_CHUNK + 57, sub_chunk="default")
+    return check_sub_chunks(ctx, step, None, "ag_rs")
+
+
+@pytest.mark.world_sizes(2)  # W > 1 to see the q gathers; one size: 2k rows cost interpreter time per rank
+def test_default_sub_chunks_match_unsplit_and_dcp1(dcp):
+    dcp.run(check_default_chunks)
+
+
+def check_gather_switch(ctx):
+    """DSV41_DCP_PREFILL_GATHER=1 at build time selects the gathered path;
+    unset or 0 the non-gather one; both give the same output."""
+    step = prefill_step(ctx, rho=4, S=1, bs=4, top_k=16)
+    outputs = {}
+    for value, gathers_expected in (("1", True), ("0", False), (None, False)):
+        with environment(PREFILL_GATHER_ENV, value):
+            layer = ctx.impl.build_attention(step.batch.layout, ctx.group)
+        with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
+            outputs[value] = run_layer(layer, step, ctx.device)
+        if bool(len(gathers)) != gathers_expected:
+            raise MismatchError(
+                f"{step.case}: {PREFILL_GATHER_ENV}={value}: prefill_gather called {len(gathers)} times; "
+                f"expected {'the gathered path' if gathers_expected else 'no gather'}"
+            )
+    assert_close(outputs["1"], outputs["0"], what=f"{PREFILL_GATHER_ENV}=1 vs 0", context=step.context,
+                 row_labels=step.row_labels)
+
+
+@pytest.mark.world_sizes(2)
+def test_prefill_gather_env_selects_the_path(dcp):
+    dcp.run(check_gather_switch)

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Install vLLM's DCP primitives into a CPU-only venv, for `--dcp-impl vllm`.
+#
+#   tools/install_vllm_cpu.sh [VENV]        (default: .venv)
+#
+# The venv must already hold the CPU torch (pip install torch==2.13.0
+# triton==3.9.0). vLLM itself goes in with --no-deps: its declared
+# requirements (torch==2.14.0, flashinfer, CUDA kernels, ...) would replace
+# the CPU torch with a multi-GB CUDA build. Only the pure-Python packages that
+# importing its DCP modules needs are installed, under a constraints file that
+# pins torch and triton, so nothing can replace them. Idempotent: a venv that
+# already passes the check is left as it is.
+set -euo pipefail
+
+VENV=${1:-.venv}
+PY="$VENV/bin/python"
+VLLM_VERSION=0.33.0
+TORCH_VERSION=2.13.0
+
+# What `import vllm.v1.attention.ops.dcp` and
+# `vllm.v1.attention.backends.mla.sparse_utils` fail on, one by one, on a venv
+# with only torch/triton/numpy (vllm/config/__init__.py pulls in most of vLLM).
+# Specifiers are vLLM 0.33.0's own Requires-Dist where it has one.
+# oss-harmony, not openai-harmony: both ship the `openai_harmony` module and
+# vLLM requires the former.
+DEPS=(
+  "pydantic>=2.12.0"
+  "regex"
+  "cbor2"
+  "psutil"
+  "pyzmq>=25.0.0"
+  "transformers>=5.16.1,<5.21.0"
+  "pillow>=13.0.0"
+  "aiohttp>=3.14.4"
+  "requests>=2.33.0"
+  "oss-harmony>=0.0.11"
+  "openai>=2.25.0"
+  "pybase64"
+  "cachetools"
+  "msgspec"
+  "cloudpickle"
+  "uvloop"
+  "py-cpuinfo"
+  "prometheus_client>=0.18.0"
+  "xgrammar==0.2.8"
+  "fastapi>=0.133.0,<0.137.0"
+  "partial-json-parser"
+  "llguidance>=1.7.0,<1.8.0"
+)
+
+# The check: the three functions the adapter binds import on CPU, under the
+# Triton interpreter, and torch is still the CPU build.
+verify() {
+  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" - "$VLLM_VERSION" "$TORCH_VERSION" <<'EOF'
+import sys
+import torch
+import vllm
+from vllm.v1.attention.ops.dcp import cp_lse_ag_out_rs, dcp_a2a_lse_reduce
+from vllm.v1.attention.backends.mla.sparse_utils import (
+    triton_filter_and_convert_dcp_index,
+)
+want_vllm, want_torch = sys.argv[1:]
+assert vllm.__version__ == want_vllm, f"vllm {vllm.__version__} != {want_vllm}"
+assert torch.__version__.split("+")[0] == want_torch, f"torch {torch.__version__}"
+assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
+print(f"ok: vllm {vllm.__version__} DCP functions import on torch {torch.__version__}")
+EOF
+}
+
+if [ ! -x "$PY" ]; then
+  echo "error: no venv at $VENV (create it: python3 -m venv $VENV &&" \
+    "$VENV/bin/pip install torch==$TORCH_VERSION triton==3.9.0 numpy)" >&2
+  exit 2
+fi
+if ! installed_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) \
+  || [ "${installed_torch%%+*}" != "$TORCH_VERSION" ]; then
+  echo "error: $VENV needs torch==$TORCH_VERSION installed first (found:" \
+    "${installed_torch:-none}); this script never installs torch" >&2
+  exit 2
+fi
+installed_triton=$("$PY" -c 'import importlib.metadata as m; print(m.version("triton"))')
+
+if verify >/dev/null 2>&1; then
+  verify
+  echo "already installed in $VENV"
+  exit 0
+fi
+
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+printf 'torch==%s\ntriton==%s\n' "$TORCH_VERSION" "$installed_triton" >"$constraints"
+
+start=$SECONDS
+echo "installing vllm==$VLLM_VERSION (--no-deps) and ${#DEPS[@]} pure-Python deps into $VENV"
+# Deps first: installed after vLLM, they would make pip list all of vLLM's
+# other (GPU) requirements as conflicts. `pip check` still does: expected.
+"$VENV/bin/pip" install --quiet -c "$constraints" "${DEPS[@]}"
+"$VENV/bin/pip" install --quiet -c "$constraints" --no-deps "vllm==$VLLM_VERSION"
+verify
+echo "installed in $((SECONDS - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"

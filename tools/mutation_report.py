@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Mutation report: does the suite kill every mutant of the port?
+
+Runs the stage tests against every mutant of ``dcpcheck.mutants.catalog``
+(each in its own pytest process, stopping at the first failure, its own
+stage's tests first), then against the clean port, and prints a matrix
+mutant x stage saying which test killed each mutant, and the kill rate.
+
+A mutant counts as killed only when a test FAILED (pytest exit code 1 with a
+<failure> in the JUnit XML). A collection error, a usage error, a crash of
+pytest, the wall-clock limit, or a buggy copy that no longer matches the port
+outside its bug make it *broken*: not killed. Exit code 0 only when every
+mutant is killed and the clean port passes.
+
+    .venv/bin/python tools/mutation_report.py --jobs 2 --markdown reports/mutation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dcpcheck.stages import STAGE_ENV, STAGES  # noqa: E402  (after the checkout is on the path)
+
+# Stage test dirs in suite order; a mutant's own dir (its ``home``) runs first.
+TEST_DIRS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+STAGE_COLUMNS = {stage: f"{stage} {name.split()[-1]}" for stage, name in STAGES.items()}
+CATALOG = "dcpcheck.mutants.catalog"
+CLEAN_SPEC = "port"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One implementation to run the stage tests against."""
+
+    name: str
+    spec: str  # the --dcp-impl value
+    stage: int | None
+    home: str | None
+    description: str
+    capabilities: tuple[str, ...] = ()  # what the bug reaches
+    drift: str | None = None  # why the mutant cannot be trusted to carry only its bug
+
+    @property
+    def is_mutant(self) -> bool:
+        return self.spec != CLEAN_SPEC
+
+    @property
+    def dirs(self) -> list[str]:
+        ordered = [self.home, *(d for d in TEST_DIRS if d != self.home)] if self.home else list(TEST_DIRS)
+        return [d for d in ordered if (ROOT / d).is_dir()]
+
+
+@dataclass(frozen=True)
+class TestCase:
+    nodeid: str
+    stage: int | None
+    outcome: str  # passed, failed, error, skipped
+    reason: str  # the telling line of a failure or error
+
+
+@dataclass
+class Run:
+    target: Target
+    returncode: int | None  # None: not run, or stopped at the wall-clock limit
+    seconds: float
+    output_tail: str = ""
+    cases: list[TestCase] = field(default_factory=list)
+
+    @property
+    def first_problem(self) -> TestCase | None:
+        return next((case for case in self.cases if case.outcome in ("failed", "error")), None)
+
+    @property
+    def killer(self) -> TestCase | None:
+        """The FAILED test that killed the mutant, when the run is a kill."""
+        problem = self.first_problem
+        if self.returncode == 1 and problem is not None and problem.outcome == "failed":
+            return problem
+        return None
+
+    @property
+    def verdict(self) -> str:
+        if not self.target.is_mutant:
+            return "passes" if self.returncode == 0 else "FAILS"
+        if self.killer is not None:
+            return "killed" if self.killer.stage == self.target.stage else "killed*"
+        return "survived" if self.returncode == 0 else "broken"
+
+    def explain(self, limit: float) -> str:
+        """Why the run ended as it did, in one line."""
+        if self.target.drift:
+            return f"not run: {self.target.drift}"
+        if self.killer is not None:
+            return f"{self.killer.nodeid}: {self.killer.reason}"
+        if self.returncode is None:
+            return f"stopped at the {limit:g} s wall-clock limit"
+        if self.returncode == 0:
+            return f"{sum(case.outcome == 'passed' for case in self.cases)} tests passed"
+        problem = self.first_problem
+        if problem is not None:
+            return f"pytest exit code {self.returncode}, {problem.outcome} {problem.nodeid}: {problem.reason}"
+        last_line = (self.output_tail.strip().splitlines() or [""])[-1]
+        return f"pytest exit code {self.returncode}: {last_line}"
+
+
+def load_targets(only: list[str]) -> list[Target]:
+    from dcpcheck.mutants.catalog import MUTANTS
+
+    names = [m.__name__ for m in MUTANTS]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise SystemExit(f"--only: no mutant named {unknown}; known: {', '.join(names)}")
+    return [
+        Target(m.__name__, f"{CATALOG}:{m.__name__}", m.stage, m.home, m.description, m.mutated, m.drift())
+        for m in MUTANTS
+        if not only or m.__name__ in only
+    ]
+
+
+def pytest_command(target: Target, junit: Path, args) -> list[str]:
+    command = [sys.executable, "-m", "pytest", *target.dirs, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    command += ["--dcp-impl", target.spec, "--dcp-timeout", f"{args.dcp_timeout:g}"]
+    if target.is_mutant:
+        command.append("-x")  # the first failure kills it; the clean port runs every test
+    if args.world_sizes:
+        command += ["--world-sizes", args.world_sizes]
+    return command
+
+
+def run_target(target: Target, workdir: Path, args) -> Run:
+    if target.drift:
+        return Run(target, None, 0.0)
+    junit = workdir / f"{target.name}.xml"
+    # The report checks every stage: an inherited stage limit would skip tests.
+    env = {key: value for key, value in os.environ.items() if key != STAGE_ENV}
+    start = time.perf_counter()
+    # A session of its own: at the limit one killpg ends pytest and everything it started.
+    process = subprocess.Popen(
+        pytest_command(target, junit, args), cwd=ROOT, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=args.limit)
+        returncode = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        returncode = None
+    run = Run(target, returncode, time.perf_counter() - start, output[-4000:])
+    if junit.exists():
+        run.cases = read_junit(junit)
+    return run
+
+
+def _nodeid(classname: str, name: str) -> str:
+    """JUnit ``tests.stage1_index.test_partition`` + ``test_x[W2]`` -> a pytest node id."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if (ROOT / path).is_file():
+            return "::".join([path, *parts[cut:], name])
+    return f"{classname}::{name}"
+
+
+# The telling line of a failure, best first: a rank's exception, why ranks did
+# not finish, any exception; else the first line.
+REASON_PATTERNS = (
+    r"^\[rank \d+\] \w+(Error|Exception)\b",
+    r"did not finish|dead ranks|still running",
+    r"\w+(Error|Exception)\b",
+)
+
+
+def _reason(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for pattern in REASON_PATTERNS:
+        for line in lines:
+            if re.search(pattern, line):
+                return line[:240]
+    return (lines[0] if lines else "")[:240]
+
+
+def read_junit(path: Path) -> list[TestCase]:
+    cases = []
+    for element in ET.parse(path).getroot().iter("testcase"):
+        properties = {p.get("name"): p.get("value") for p in element.iter("property")}
+        stage = int(properties["dcp_stage"]) if "dcp_stage" in properties else None
+        outcome, reason = "passed", ""
+        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            found = element.find(tag)
+            if found is not None:
+                # The element text holds the whole report; the message attribute is cut.
+                outcome, reason = name, _reason(found.text or found.get("message") or "")
+                break
+        cases.append(TestCase(_nodeid(element.get("classname", ""), element.get("name", "")), stage, outcome, reason))
+    return cases
+
+
+def stage_cell(run: Run, stage: int) -> str:
+    """KILLED: a test of this stage killed the mutant; pass: this stage's tests
+    ran and passed; skip: they all skipped; -: none ran (stopped before)."""
+    if run.killer is not None and run.killer.stage == stage:
+        return "KILLED"
+    outcomes = {case.outcome for case in run.cases if case.stage == stage}
+    if outcomes & {"failed", "error"}:
+        return "FAILED"
+    if "passed" in outcomes:
+        return "pass"
+    return "skip" if outcomes else "-"
+
+
+HEADER = ["mutant", "stage", *STAGE_COLUMNS.values(), "verdict", "s", "killed by / why"]
+
+
+def matrix_rows(runs: list[Run], limit: float) -> list[list[str]]:
+    return [
+        [
+            run.target.name,
+            "-" if run.target.stage is None else str(run.target.stage),
+            *(stage_cell(run, stage) for stage in STAGE_COLUMNS),
+            run.verdict,
+            f"{run.seconds:.0f}",
+            run.explain(limit),
+        ]
+        for run in runs
+    ]
+
+
+def format_text(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER) - 1)]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+
+    return [line(HEADER), line(["-" * width for width in widths] + ["-" * 15]), *map(line, rows)]
+
+
+def format_markdown(rows: list[list[str]], descriptions: dict[str, str], totals: list[str]) -> str:
+    header = [*HEADER[:-1], "bug", HEADER[-1]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [*row[:-1], descriptions.get(row[0], ""), f"`{row[-1]}`"]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join([*lines, "", *(f"- {line}" for line in totals)]) + "\n"
+
+
+def summary(mutant_runs: list[Run], clean: Run, seconds: float, limit: float) -> list[str]:
+    def named(verdict: str) -> list[str]:
+        return [run.target.name for run in mutant_runs if run.verdict == verdict]
+
+    killed = len(named("killed")) + len(named("killed*"))
+    total = len(mutant_runs)
+    lines = [f"kill rate: {killed}/{total} = {100.0 * killed / max(total, 1):.1f}%"]
+    for verdict, meaning in (
+        ("survived", "survived (a hole in the suite)"),
+        ("broken", "broken (not killed by a failed test)"),
+        ("killed*", "killed* (only by another stage's tests: a hole in its own stage)"),
+    ):
+        if named(verdict):
+            lines.append(f"{meaning}: {', '.join(named(verdict))}")
+    lines.append(f"clean port: {clean.verdict} ({clean.explain(limit)}, {clean.seconds:.0f} s)")
+    lines.append(f"wall time: {seconds:.0f} s")
+    return lines
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this mutant (repeatable, or comma-separated)")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest processes at once (default 1)")
+    parser.add_argument("--world-sizes", help="passed to pytest (default: pytest's, 1,2,4 on CPU)")
+    parser.add_argument("--dcp-timeout", type=float, default=15.0, help="seconds one multi-rank case may take (default 15)")
+    parser.add_argument("--limit", type=float, default=300.0, help="wall-clock seconds per pytest process (default 300)")
+    parser.add_argument("--markdown", type=Path, help="also write the matrix as markdown to this path")
+    parser.add_argument("--list", action="store_true", help="print the catalog and exit")
+    args = parser.parse_args(argv)
+    args.only = [name for value in args.only for name in value.split(",") if name]
+    if args.jobs < 1:
+        parser.error("--jobs: expected at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    targets = load_targets(args.only)
+    if args.list:
+        for target in targets:
+            drift = f"  [{target.drift}]" if target.drift else ""
+            print(f"{target.name:<28} stage {target.stage}  {','.join(target.capabilities):<32} {target.description}{drift}")
+        return 0
+    clean = Target("clean-port", CLEAN_SPEC, None, None, "the embedded port, unmutated")
+    start = time.perf_counter()
+    runs: dict[str, Run] = {}
+    with tempfile.TemporaryDirectory(prefix="mutation-report-") as workdir, ThreadPoolExecutor(args.jobs) as pool:
+        # The clean port runs every test, the longest run: it starts first.
+        futures = [pool.submit(run_target, target, Path(workdir), args) for target in [clean, *targets]]
+        for done, future in enumerate(as_completed(futures), 1):
+            run = future.result()
+            runs[run.target.name] = run
+            print(f"[{done}/{len(futures)}] {run.target.name}: {run.verdict} in {run.seconds:.0f} s", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - start
+
+    mutant_runs, clean_run = [runs[target.name] for target in targets], runs[clean.name]
+    rows = matrix_rows(mutant_runs, args.limit)
+    totals = summary(mutant_runs, clean_run, seconds, args.limit)
+    print("\n".join([*format_text(rows), "", *totals]))
+    if clean_run.returncode != 0:
+        print(f"\nclean port output (tail):\n{clean_run.output_tail}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(format_markdown(rows, {t.name: t.description for t in targets}, totals))
+    all_killed = all(run.verdict in ("killed", "killed*") for run in mutant_runs)
+    return 0 if all_killed and clean_run.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
