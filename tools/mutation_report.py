@@ -125,7 +125,9 @@ def load_targets(only: list[str]) -> list[Target]:
     if unknown:
         raise SystemExit(f"--only: no mutant named {unknown}; known: {', '.join(names)}")
     return [
-        Target(m.__name__, f"{CATALOG}:{m.__name__}", m.stage, m.home, m.description, m.mutated, m.drift())
+        Target(
+            m.__name__, f"{CATALOG}:{m.__name__}", m.stage, m.home, m.description, m.mutated_capabilities, m.drift()
+        )
         for m in MUTANTS
         if not only or m.__name__ in only
     ]
@@ -283,8 +285,10 @@ def parse_args(argv):
                         help="run only this mutant (repeatable, or comma-separated)")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at once (default 1)")
     parser.add_argument("--world-sizes", help="passed to pytest (default: pytest's, 1,2,4 on CPU)")
-    parser.add_argument("--dcp-timeout", type=float, default=15.0, help="seconds one multi-rank case may take (default 15)")
-    parser.add_argument("--limit", type=float, default=300.0, help="wall-clock seconds per pytest process (default 300)")
+    parser.add_argument("--dcp-timeout", type=float, default=15.0,
+                        help="seconds one multi-rank case may take (default 15)")
+    parser.add_argument("--limit", type=float, default=300.0,
+                        help="wall-clock seconds per pytest process (default 300)")
     parser.add_argument("--markdown", type=Path, help="also write the matrix as markdown to this path")
     parser.add_argument("--list", action="store_true", help="print the catalog and exit")
     args = parser.parse_args(argv)
@@ -300,7 +304,8 @@ def main(argv=None) -> int:
     if args.list:
         for target in targets:
             drift = f"  [{target.drift}]" if target.drift else ""
-            print(f"{target.name:<28} stage {target.stage}  {','.join(target.capabilities):<32} {target.description}{drift}")
+            capabilities = ",".join(target.capabilities)
+            print(f"{target.name:<28} stage {target.stage}  {capabilities:<32} {target.description}{drift}")
         return 0
     clean = Target("clean-port", CLEAN_SPEC, None, None, "the embedded port, unmutated")
     start = time.perf_counter()
@@ -311,7 +316,8 @@ def main(argv=None) -> int:
         for done, future in enumerate(as_completed(futures), 1):
             run = future.result()
             runs[run.target.name] = run
-            print(f"[{done}/{len(futures)}] {run.target.name}: {run.verdict} in {run.seconds:.0f} s", file=sys.stderr, flush=True)
+            progress = f"[{done}/{len(futures)}] {run.target.name}: {run.verdict} in {run.seconds:.0f} s"
+            print(progress, file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
 
     mutant_runs, clean_run = [runs[target.name] for target in targets], runs[clean.name]

@@ -27,6 +27,7 @@ from dcpcheck.dist.worker import STACK_SIGNAL, log_path, stacks_path
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
 PEER_GRACE_S = 3.0
+STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 LOG_TAIL_LINES = 40
 
 
@@ -108,6 +109,12 @@ class RankPool:
             env["TRITON_INTERPRET"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
             env["OMP_NUM_THREADS"] = "1"
+        else:
+            # Host-side work (scenarios, oracle) of every rank of every xdist
+            # worker shares the cores: a fair share each, not all cores each
+            # (oversubscribed OpenMP made cases several times slower).
+            workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (workers * self.world_size))))
         return env
 
     def start(self) -> None:
@@ -302,10 +309,23 @@ class RankPool:
                 os.kill(self.pids[rank], STACK_SIGNAL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.5)
+        self._wait_for_stacks(offsets)
         stacks = {}
         for rank in ranks:
             with open(stacks_path(str(self.tmpdir), rank), errors="replace") as fh:
                 fh.seek(offsets[rank])
                 stacks[rank] = fh.read().strip() or "(no stack: the process did not answer)"
         return stacks
+
+    def _wait_for_stacks(self, offsets: dict) -> None:
+        """Until every rank's stack file has grown and stopped growing (a dump
+        comes thread by thread), at most STACK_WAIT_S: a loaded host (many
+        xdist workers) can take longer than any fixed pause."""
+        deadline = time.perf_counter() + STACK_WAIT_S
+        sizes = None
+        while time.perf_counter() < deadline:
+            time.sleep(0.2)
+            latest = {rank: os.path.getsize(stacks_path(str(self.tmpdir), rank)) for rank in offsets}
+            if latest == sizes and all(latest[rank] > offsets[rank] for rank in offsets):
+                return
+            sizes = latest

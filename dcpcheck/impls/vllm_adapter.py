@@ -115,24 +115,21 @@ class VllmImplementation:
     def slot_mapping(
         self, positions, token_to_req, block_table, *, rho, bs, world_size, rank, interleave
     ):
-        num_tokens = positions.shape[0]
         device = positions.device
         # vLLM's interleave counts tokens and a state lives on the rank owning
         # its last token, so S states are S * rho tokens.
         token_interleave = interleave * rho
         tokens_per_page = bs * rho
-        # One single-token request per position: vLLM takes requests as runs
-        # of consecutive positions ending at seq_len - 1.
-        query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
-        seq_lens = (positions + 1).to(torch.int32)
-        rows = _block_table_rows(block_table, token_to_req, positions, tokens_per_page * world_size)
-        token_slots = torch.empty(num_tokens, dtype=torch.int64, device=device)
+        runs = _PositionRuns(positions, token_to_req)
+        query_start_loc = runs.bounds.to(torch.int32).to(device)
+        rows = _widened_rows(block_table[runs.requests.to(device)], runs.seq_lens, tokens_per_page * world_size)
+        token_slots = torch.empty(runs.num_tokens, dtype=torch.int64, device=device)
         self._token_slot_kernel(
-            num_tokens,  # num_reqs
-            num_tokens,
-            num_tokens,  # max_num_tokens: no CUDA-graph padding to fill
+            runs.requests.numel(),  # num_reqs
+            runs.num_tokens,
+            runs.num_tokens,  # max_num_tokens: no CUDA-graph padding to fill
             query_start_loc,
-            positions.to(torch.int64),
+            runs.positions.to(device),
             rows,
             rows.stride(0),
             token_slots,
@@ -141,17 +138,18 @@ class VllmImplementation:
             rank,
             token_interleave,
         )
-        return self._compressed_slots(
-            num_tokens,
+        run_slots = self._compressed_slots(
+            runs.num_tokens,
             token_slots,
             query_start_loc,
-            seq_lens,
+            runs.seq_lens.to(torch.int32).to(device),
             rows,
             bs,
             rho,
             dcp_world_size=world_size,
             cp_interleave=token_interleave,
         )
+        return run_slots[runs.index_of_asked.to(device)]
 
     # ---- stage 3 -----------------------------------------------------------
     def gather_heads(self, x, group, *, dim=1):
@@ -191,10 +189,10 @@ class VllmImplementation:
         )
 
     # ---- what cannot run here ------------------------------------------------
-    def unavailable_reason(self, *, device, world_size, **case):
+    def unavailable_reason(self, *, world_size, **case):
         """Why a case cannot run here (None: it can). The harness asks before
-        launch; ``case`` holds the test's parameters (``backend``, and
-        ``head_dim`` where the test passes it)."""
+        launch; ``case`` holds the device and the test's parameters
+        (``backend``, and ``head_dim`` where the test passes it)."""
         if world_size > 1 and case.get("backend") in COMBINE_BACKENDS:
             return self._combine_unavailable_reason(case["backend"], head_dim=case.get("head_dim"))
         return None
@@ -216,17 +214,50 @@ class VllmImplementation:
         return None
 
 
-def _block_table_rows(block_table, token_to_req, positions, tokens_per_virtual_page):
-    """Each token's block table row, widened to cover its position.
+class _PositionRuns:
+    """The asked (request, position) pairs as vLLM's slot-mapping input.
+
+    vLLM maps runs of consecutive positions, each a request's newest tokens
+    (positions seq_len - query_len .. seq_len - 1). Nearby asked positions of
+    a request share one run; a run stays within one vector step of vLLM's slot
+    kernels, so filling a gap never costs more than a run of its own would.
+    """
+
+    MAX_RUN_LEN = 1024  # TRITON_BLOCK_SIZE of vLLM's two slot-mapping kernels
+
+    def __init__(self, positions: torch.Tensor, token_to_req: torch.Tensor):
+        asked = list(zip(token_to_req.tolist(), positions.tolist()))
+        runs: list[tuple[int, int]] = []  # (request, first position)
+        last_positions: list[int] = []
+        run_of_pair: dict[tuple[int, int], int] = {}
+        for request, position in sorted(set(asked)):
+            if runs and runs[-1][0] == request and position - runs[-1][1] < self.MAX_RUN_LEN:
+                last_positions[-1] = position
+            else:
+                runs.append((request, position))
+                last_positions.append(position)
+            run_of_pair[request, position] = len(runs) - 1
+        table = torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)
+        self.requests, first = table[:, 0], table[:, 1]
+        self.seq_lens = torch.tensor(last_positions, dtype=torch.int64) + 1
+        lens = self.seq_lens - first
+        self.bounds = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0))
+        self.num_tokens = int(self.bounds[-1])
+        starts = self.bounds[:-1]
+        self.positions = torch.arange(self.num_tokens) + torch.repeat_interleave(first - starts, lens)
+        run = torch.tensor([run_of_pair[pair] for pair in asked], dtype=torch.int64)
+        self.index_of_asked = starts[run] + positions.cpu() - first[run]
+
+
+def _widened_rows(rows, seq_lens, tokens_per_virtual_page):
+    """Block table rows widened to cover every position of their runs.
 
     vLLM's write kernels do not bound the page index: its block tables span
     max_model_len and hold 0 (the null block) past a request's pages. A
     narrower table is widened the same way instead of being read past its end.
     """
-    rows = block_table[token_to_req.long()]
-    if positions.numel() == 0:
-        return rows.contiguous()
-    pages = int(positions.max()) // tokens_per_virtual_page + 1
-    if pages > rows.shape[1]:
-        rows = torch.nn.functional.pad(rows, (0, pages - rows.shape[1]), value=0)
+    if seq_lens.numel():
+        pages = (int(seq_lens.max()) - 1) // tokens_per_virtual_page + 1
+        if pages > rows.shape[1]:
+            rows = torch.nn.functional.pad(rows, (0, pages - rows.shape[1]), value=0)
     return rows.contiguous()

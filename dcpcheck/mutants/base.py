@@ -38,7 +38,7 @@ class Mutant(EmbeddedPort):
     home: ClassVar[str]
     description: ClassVar[str]
     bug: ClassVar[Swap]
-    mutated: ClassVar[tuple[str, ...]]  # the capabilities the bug reaches
+    mutated_capabilities: ClassVar[tuple[str, ...]]  # the capabilities the bug reaches
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -62,7 +62,7 @@ class Mutant(EmbeddedPort):
         for name, function in changed.items():
             setattr(cls, name, staticmethod(function) if name in static else function)
         cls.name = cls.__name__
-        cls.mutated = tuple(sorted(changed))
+        cls.mutated_capabilities = tuple(sorted(changed))
         REGISTRY[cls.__name__] = cls
 
     @classmethod
@@ -77,5 +77,8 @@ class Mutant(EmbeddedPort):
             hunks = copy_hunks(original, replacement)
             if len(hunks) != 1:
                 shown = "; ".join(" / ".join(hunk) for hunk in hunks)[:300]
-                return f"the copy of {module.__name__}.{name} differs from the port in {len(hunks)} hunks, not 1: {shown}"
+                return (
+                    f"the copy of {module.__name__}.{name} differs from the port in {len(hunks)} hunks, "
+                    f"not 1: {shown}"
+                )
         return None

@@ -87,7 +87,10 @@ class _Rebinder:
                 self.used.add(name)
             elif name in namespace:
                 value = namespace[name]
-                rebound = self._module_view(value, names) if isinstance(value, types.ModuleType) else self.function(value)
+                if isinstance(value, types.ModuleType):
+                    rebound = self._module_view(value, names)
+                else:
+                    rebound = self.function(value)
                 if rebound is not value:
                     overrides[name] = rebound
         return overrides
@@ -107,7 +110,8 @@ class _Rebinder:
 
 
 def _copy_function(fn: types.FunctionType, overrides: dict, *, jitted: bool):
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **overrides}, fn.__name__, fn.__defaults__, fn.__closure__)
+    namespace = {**fn.__globals__, **overrides}
+    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     copy.__doc__ = fn.__doc__

@@ -213,7 +213,7 @@ def _filter_index_kernel_padding_filtered(
 ):
     rows = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS).to(tl.int64)
     row_in = rows < num_tokens
-    is_valid = tl.load(is_valid_ptr + rows, mask=row_in, other=0) != 0
+    is_valid = tl.load(is_valid_ptr + rows, mask=row_in, other=0) != 0  # noqa: F841  (unused: the bug)
     req = tl.load(token_to_req_ptr + rows, mask=row_in, other=0).to(tl.int64)
     topk_rows = topk_ptr + rows[:, None] * topk_row_stride
     slot_rows = slots_ptr + rows[:, None] * slots_row_stride

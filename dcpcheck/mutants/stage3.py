@@ -169,7 +169,10 @@ def _combine_ag_rs_reversed_ranks(out, lse, group, log2_base):
         BLOCK_ROWS=block_rows, BLOCK_D=block_d,
     )
     # BUG: the head blocks go out in reverse rank order, as over a DCP group ordered unlike TP.
-    merged = group.reduce_scatter(scaled.unflatten(0, (world, -1)).flip(0).flatten(0, 1), dim=0).transpose(0, 1).to(out.dtype).contiguous()
+    merged = (
+        group.reduce_scatter(scaled.unflatten(0, (world, -1)).flip(0).flatten(0, 1), dim=0)
+        .transpose(0, 1).to(out.dtype).contiguous()
+    )
     heads_local = num_heads // world
     own = slice(rank * heads_local, (rank + 1) * heads_local)
     return merged, merged_lse[:, own].contiguous()
@@ -195,8 +198,8 @@ def _combine_ag_rs_all_heads_lse(out, lse, group, log2_base):
     )
     merged = group.reduce_scatter(scaled, dim=0).transpose(0, 1).to(out.dtype).contiguous()
     heads_local = num_heads // world
-    own = slice(0, num_heads)  # BUG: the merged LSE of all H heads, not this rank's
-    return merged, merged_lse[:, own].contiguous()
+    own = slice(rank * heads_local, (rank + 1) * heads_local)  # noqa: F841  (unused: the bug)
+    return merged, merged_lse  # BUG: the merged LSE of all H heads, not this rank's
 
 
 class ReturnLseAllHeads(CombineMutant):
@@ -212,7 +215,8 @@ def _combine_a2a_strided_slices(out, lse, group, log2_base):
     lse_columns = lse.view(out.dtype).view(num_tokens, num_heads, lse_width)
     packed = torch.cat([out, lse_columns], dim=2)
     row_width = packed.shape[2]
-    send = packed.view(num_tokens, heads_local, world, row_width).permute(2, 0, 1, 3).contiguous()  # BUG: slice j = heads j, j+W, ...
+    # BUG: slice j is heads j, j+W, ..., not rank j's block.
+    send = packed.view(num_tokens, heads_local, world, row_width).permute(2, 0, 1, 3).contiguous()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group.device_group)
     lses = received[..., head_dim:].contiguous().view(torch.float32).view(world, num_tokens * heads_local)
@@ -252,7 +256,8 @@ class W1NotShortCircuited(CombineMutant):
 
 
 def _dcp_attention_sinks_on_rank0(
-    q_local, sink_local, comp_cache, comp_slots, swa_cache, swa_slots, group, *, scale, backend="ag_rs", token_chunk=None
+    q_local, sink_local, comp_cache, comp_slots, swa_cache, swa_slots, group, *,
+    scale, backend="ag_rs", token_chunk=None,
 ):
     if token_chunk is not None and token_chunk < 1:
         raise ValueError(f"dcp_attention: token_chunk={token_chunk}; accepted: None or >= 1")
@@ -281,5 +286,5 @@ def _dcp_attention_sinks_on_rank0(
 
 
 class CollectiveSkippedOnOneRank(CombineMutant):
-    description = "only rank 0 joins the all-gather of the sinks (it alone applies them): the ranks' collectives diverge"
+    description = "only rank 0 joins the sink all-gather (it alone applies the sinks): the ranks' collectives diverge"
     bug = Swap(port_attention, dcp_attention=_dcp_attention_sinks_on_rank0)

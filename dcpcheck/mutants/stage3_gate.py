@@ -12,7 +12,13 @@ from collections.abc import Mapping
 
 from dcpcheck.mutants.base import Mutant, Swap
 from dcpcheck.port import gate
-from dcpcheck.port.gate import DcpAttentionLayer, prefill_gather_enabled, reached_stage, require_dcp_stage, validate_layout
+from dcpcheck.port.gate import (
+    DcpAttentionLayer,
+    prefill_gather_enabled,
+    reached_stage,
+    require_dcp_stage,
+    validate_layout,
+)
 from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
 
 
@@ -67,7 +73,9 @@ class GateAfterFirstForward(GateMutant):
     bug = Swap(gate, require_dcp_stage=_require_dcp_stage_not_at_build, DcpAttentionLayer=_GatedAtFirstForward)
 
 
-def _build_attention_gate_first(impl, layout, group, *, prefill_gather: bool | None = None, **options) -> DcpAttentionLayer:
+def _build_attention_gate_first(
+    impl, layout, group, *, prefill_gather: bool | None = None, **options
+) -> DcpAttentionLayer:
     require_dcp_stage(group.world_size)  # BUG: moved above the layout check
     validate_layout(layout, group.world_size)
     if prefill_gather is None:

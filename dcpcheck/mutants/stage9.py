@@ -41,7 +41,9 @@ class PagesWithoutMinimum(PrefillMutant):
     bug = Swap(prefill, prefill_geometry=_prefill_geometry_no_minimum)
 
 
-def _prefill_geometry_pages_from_tokens(seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int) -> PrefillGeometry:
+def _prefill_geometry_pages_from_tokens(
+    seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int
+) -> PrefillGeometry:
     states = seq_lens.to(torch.int64)  # BUG: L tokens, not L // rho states
     states_per_virtual_block = bs * world_size
     pages = torch.clamp((states + states_per_virtual_block - 1) // states_per_virtual_block, min=1)
@@ -97,7 +99,7 @@ def _prefill_remap_kernel_no_base(
     is_valid = tl.load(is_valid_ptr + rows, mask=row_in, other=0) != 0
     req = tl.load(token_to_req_ptr + rows, mask=row_in & is_valid, other=0).to(tl.int64)
     pages = tl.load(pages_ptr + req, mask=row_in & is_valid, other=1).to(tl.int64)
-    bases = tl.load(bases_ptr + req, mask=row_in & is_valid, other=0).to(tl.int64)  # noqa: F841  (then forgotten: the bug)
+    bases = tl.load(bases_ptr + req, mask=row_in & is_valid, other=0).to(tl.int64)  # noqa: F841  (unused: the bug)
     topk_rows = topk_ptr + rows[:, None] * topk_row_stride
     slot_rows = slots_ptr + rows[:, None] * slots_row_stride
 
@@ -168,12 +170,13 @@ def _prefill_remap_kernel_vblock_offset_swapped(
 
 
 class VblockOffsetSwapped(PrefillMutant):
-    description = "the remap swaps the virtual block and the in-page offset: slot = (base + owner*pages + loff)*bs + vblock"
+    description = "the remap swaps virtual block and in-page offset: slot = (base + owner*pages + loff)*bs + vblock"
     bug = Swap(prefill, _prefill_remap_kernel=_prefill_remap_kernel_vblock_offset_swapped)
 
 
 def _dcp_attention_drops_last_chunk(
-    q_local, sink_local, comp_cache, comp_slots, swa_cache, swa_slots, group, *, scale, backend="ag_rs", token_chunk=None
+    q_local, sink_local, comp_cache, comp_slots, swa_cache, swa_slots, group, *,
+    scale, backend="ag_rs", token_chunk=None,
 ):
     if token_chunk is not None and token_chunk < 1:
         raise ValueError(f"dcp_attention: token_chunk={token_chunk}; accepted: None or >= 1")

@@ -32,7 +32,10 @@ def _gather_candidates(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.
     """-> (rows [T, K, D] float64, zero behind -1; valid [T, K] bool)."""
     slots = slots.long().cpu()
     valid = slots >= 0
-    rows = cache.detach().cpu().to(torch.float64)[slots.clamp(min=0)]
+    cache = cache.detach().cpu().to(torch.float64)
+    if cache.shape[0] == 0:  # nothing to index: every slot must be -1
+        return cache.new_zeros(slots.shape + cache.shape[1:]), valid
+    rows = cache[slots.clamp(min=0)]
     return rows.masked_fill(~valid[:, :, None], 0.0), valid
 
 

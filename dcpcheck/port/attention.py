@@ -30,7 +30,10 @@ def _candidate_logits(
     slots = slots.long()
     missing = slots < 0
     # Zero the rows behind -1 so stale cache contents (even NaN) never reach out.
-    rows = cache[slots.clamp(min=0)].float().masked_fill(missing[:, :, None], 0.0)
+    if cache.shape[0] == 0:  # an empty cache: every slot is -1
+        rows = cache.new_zeros(slots.shape + cache.shape[1:], dtype=torch.float32)
+    else:
+        rows = cache[slots.clamp(min=0)].float().masked_fill(missing[:, :, None], 0.0)
     logits = torch.einsum("thd,tkd->thk", q, rows) * (scale * LOG2_E)
     return logits.masked_fill(missing[:, None, :], -math.inf), rows
 

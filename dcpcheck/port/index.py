@@ -22,7 +22,7 @@ import triton.language as tl
 # program and per operation, so it gets large blocks; a GPU gets blocks that
 # fit in registers.
 TOPK_TILE = 128
-TOKENS_PER_PROGRAM = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 16
+TOKENS_PER_PROGRAM = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 POSITIONS_PER_PROGRAM = 4096 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 
 

@@ -41,11 +41,6 @@ class PrefillGeometry:
     bases: torch.Tensor  # [R] int64: first buffer page of request i
     total_pages: int  # sum_i W * pages_i
 
-    @property
-    def local_pages(self) -> int:
-        """Pages one rank contributes in all: sum_i pages_i."""
-        return int(self.pages.sum())
-
 
 def prefill_geometry(seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int) -> PrefillGeometry:
     """Geometry for the prefill requests of one step, ``seq_lens`` [R] being

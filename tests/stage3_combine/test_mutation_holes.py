@@ -42,8 +42,9 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base):
         backend=backend, lse_base=base, return_lse=True,
     )
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
-    stats = assert_close(merged, want_out[:, heads], what="combined output, garbage under the sentinel, vs oracle merge", **report)
-    assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE, garbage under the sentinel, vs oracle merge", **report)
+    what = "garbage under the sentinel, vs oracle merge"
+    stats = assert_close(merged, want_out[:, heads], what=f"combined output, {what}", **report)
+    assert_lse_close(merged_lse, want_lse[:, heads], what=f"combined LSE, {what}", **report)
     return stats.as_dict()
 
 
