@@ -183,6 +183,15 @@ class DcpImplementation(Protocol):
         -> (slots [T, K] int32, counts [T] int32: valid ids; invalid tokens
         get count 0)."""
 
+    # ---- optional answers the harness asks before launch --------------------
+    def unavailable_reason(self, *, device: str, world_size: int, **case) -> str | None:
+        """Why this case cannot run here (the test is skipped with it), or None."""
+
+    def known_defect(self, *, check: str, device: str, world_size: int, **case) -> str | None:
+        """A known defect of this implementation that makes rank function
+        ``check`` fail on this case (the test becomes an expected failure
+        with it, and still runs), or None."""
+
     # ---- the gate ---------------------------------------------------------
     def build_attention(self, layout, group, **options):
         """Build one layer's DCP attention path for ``layout`` (``rho``: 0 =

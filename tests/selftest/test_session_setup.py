@@ -131,3 +131,44 @@ def test_no_worker_outlives_a_finished_session(tmp_path):
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
     assert _pool_processes(proc.pid) == []
+
+
+KNOWN_DEFECT_IMPL = '''
+class WithKnownDefect:
+    name = "defective"
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def known_defect(self, *, check, device, world_size, **case):
+        if check == "fails_on_rank_zero":
+            return "rank 0 always fails (vendor bug 123)"
+        if check == "passes" and case.get("flaky"):
+            return "was broken before release 2"
+        return None
+'''
+
+KNOWN_DEFECT_TESTS = '''
+def fails_on_rank_zero(ctx):
+    assert ctx.rank != 0, "rank 0 failed"
+
+def passes(ctx, *, flaky):
+    pass
+
+def test_known_defect(dcp):
+    dcp.run(fails_on_rank_zero)
+
+def test_fixed_defect(dcp):
+    dcp.run(passes, flaky=True)
+
+def test_no_defect(dcp):
+    dcp.run(passes, flaky=False)
+'''
+
+
+def test_known_defects_are_expected_failures_that_still_run(tmp_path):
+    write_session(tmp_path, {"defective.py": KNOWN_DEFECT_IMPL, "test_defect.py": KNOWN_DEFECT_TESTS})
+    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rxX"])
+    assert code == 0, output
+    assert "1 passed" in output and "1 xfailed" in output and "1 xpassed" in output, output
+    assert "known defect of defective.py:WithKnownDefect: rank 0 always fails (vendor bug 123)" in output
