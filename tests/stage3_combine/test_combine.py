@@ -3,7 +3,8 @@
 Every rank builds the same global partials ``[W, T, H, D]`` from the seed,
 combines its own, and checks its heads against the float64 oracle merge;
 both backends must agree. The rows cover every empty-row flavour and LSE
-gaps that overflow without max-subtraction.
+gaps that overflow without max-subtraction. The head dim is part of every
+case, so an implementation can say before launch that it cannot run one.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ import torch
 from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads
+from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads, unavailable_reason
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
 
 NUM_TOKENS = 40
-HEAD_DIM = 72  # not a power of two: the kernels' column mask is exercised
+HEAD_DIM = 64  # the main cases: a power of two, as vLLM's kernels need (tl.arange bound)
+ODD_HEAD_DIM = 72  # not a power of two: a kernel's column mask is exercised
 
 
-def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: torch.dtype):
+def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: torch.dtype, head_dim: int):
     """-> (outs [W, T, H, D] in dtype, lses [W, T, H] fp32): random rows plus one
     row per edge case, in the LSE units of whatever base the caller combines in."""
     shape = (world, NUM_TOKENS, num_heads)
-    outs = torch.randn(*shape, HEAD_DIM, generator=gen)
+    outs = torch.randn(*shape, head_dim, generator=gen)
     lses = torch.randn(*shape, generator=gen) * 3.0
     nan, neg_inf = float("nan"), float("-inf")
     ranks = torch.arange(world)
@@ -51,13 +53,14 @@ def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: 
     return outs.to(dtype), lses
 
 
-def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads):
+def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim):
     """One rank: its backend's result vs the oracle merge (out and LSE of its
-    heads), return_lse=False vs True, and the other backend."""
+    heads), return_lse=False vs True, and the other backend, unless the
+    implementation says that one cannot run here."""
     dtype = DTYPES[dtype_name]
     base = LSE_BASES[lse_base]
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads)
-    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, num_heads, dtype)
+    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads, D=head_dim)
+    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, num_heads, dtype, head_dim)
     out, lse = outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device)
 
     if num_heads % ctx.world_size:
@@ -87,10 +90,15 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads):
     assert_close(only_out, merged, what="combine(return_lse=False) vs return_lse=True", **report)
 
     other = "a2a" if backend == "ag_rs" else "ag_rs"
+    # The same answer on every rank (it depends on the case only), so no rank
+    # skips a collective its peers enter.
+    other_unavailable = unavailable_reason(ctx, **{**ctx.case, "backend": other})
+    if other_unavailable:
+        return {**stats.as_dict(), "cross_check": f"{other} vs {backend} skipped: {other_unavailable}"}
     other_out, other_lse = ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True)
     assert_close(other_out, merged, what=f"{other} vs {backend} output", **report)
     assert_lse_close(other_lse, merged_lse, what=f"{other} vs {backend} LSE", **report)
-    return stats.as_dict()
+    return {**stats.as_dict(), "cross_check": f"{other} vs {backend}"}
 
 
 @pytest.mark.world_sizes(2, 4, 8)
@@ -98,13 +106,20 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads):
 @pytest.mark.parametrize("lse_base", ["2", "e"])
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_combine_matches_oracle_merge(dcp, backend, lse_base, dtype_name):
-    dcp.run(check_combine, backend=backend, lse_base=lse_base, dtype_name=dtype_name, num_heads=8)
+    dcp.run(check_combine, backend=backend, lse_base=lse_base, dtype_name=dtype_name, num_heads=8, head_dim=HEAD_DIM)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])  # one and two packed LSE columns in a2a
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_combine_non_power_of_two_head_dim(dcp, backend, dtype_name):
+    dcp.run(check_combine, backend=backend, lse_base="2", dtype_name=dtype_name, num_heads=8, head_dim=ODD_HEAD_DIM)
 
 
 @pytest.mark.world_sizes(1)
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_combine_single_rank_returns_inputs(dcp, backend):
-    dcp.run(check_combine, backend=backend, lse_base="2", dtype_name="bf16", num_heads=8)
+    dcp.run(check_combine, backend=backend, lse_base="2", dtype_name="bf16", num_heads=8, head_dim=HEAD_DIM)
 
 
 @pytest.mark.world_sizes(2, 4, 8)
@@ -112,4 +127,4 @@ def test_combine_single_rank_returns_inputs(dcp, backend):
 def test_combine_head_counts(dcp, num_heads):
     """H = 12 splits over W = 2, 4; H = 6 over W = 4, 8 and H = 12 over W = 8
     must raise a ValueError that says what is accepted."""
-    dcp.run(check_combine, backend="a2a", lse_base="e", dtype_name="bf16", num_heads=num_heads)
+    dcp.run(check_combine, backend="a2a", lse_base="e", dtype_name="bf16", num_heads=num_heads, head_dim=HEAD_DIM)

@@ -19,7 +19,7 @@ from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.common import LSE_BASES, failure_context, own_heads
-from tests.stage3_combine.test_combine import synthetic_partials
+from tests.stage3_combine.test_combine import HEAD_DIM, synthetic_partials
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
 
@@ -28,10 +28,10 @@ NAN_ROW = 0  # synthetic_partials: every rank at the sentinel
 GARBAGE_ROW = 8  # a random row, turned into one with every rank at the sentinel
 
 
-def check_sentinel_gets_no_weight(ctx, *, backend, lse_base):
+def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, head_dim):
     base = LSE_BASES[lse_base]
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, H=NUM_HEADS)
-    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, torch.float32)
+    context = failure_context(ctx, backend=backend, lse_base=lse_base, H=NUM_HEADS, D=head_dim)
+    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, torch.float32, head_dim)
     outs[:, NAN_ROW] = float("nan")
     lses[:, GARBAGE_ROW] = EMPTY_LSE  # its random outputs stay
 
@@ -52,4 +52,4 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base):
 @pytest.mark.parametrize("lse_base", ["2", "e"])
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_sentinel_partial_gets_no_weight(dcp, backend, lse_base):
-    dcp.run(check_sentinel_gets_no_weight, backend=backend, lse_base=lse_base)
+    dcp.run(check_sentinel_gets_no_weight, backend=backend, lse_base=lse_base, head_dim=HEAD_DIM)
