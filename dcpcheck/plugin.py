@@ -223,7 +223,6 @@ class DcpRunner:
         stage_marker = request.node.get_closest_marker("stage")
         self.stage = stage_marker.args[0] if stage_marker else None
         self._config = request.config
-        self._properties = request.node.user_properties
         self._node = request.node
 
     def header(self) -> dict:
@@ -257,9 +256,9 @@ class DcpRunner:
                 # this reason, a pass as XPASS (the defect may be fixed).
                 self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
         timeout = timeout or self.session.timeout
-        self._properties.append(("dcp_world_size", self.world_size))
+        self._node.user_properties.append(("dcp_world_size", self.world_size))
         if case.get("backend"):
-            self._properties.append(("dcp_backend", case["backend"]))
+            self._node.user_properties.append(("dcp_backend", case["backend"]))
         launcher = _launcher(self.session, self._config)
         try:
             result = launcher.run(
@@ -277,7 +276,7 @@ class DcpRunner:
         for key in WORST_ERROR_KEYS:
             found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
             if found:
-                self._properties.append((f"dcp_{key}", max(found)))
+                self._node.user_properties.append((f"dcp_{key}", max(found)))
 
 
 @pytest.fixture

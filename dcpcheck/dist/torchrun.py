@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import sys
 import threading
 from datetime import timedelta
@@ -126,8 +127,6 @@ class InProcessRanks:
 
 def _picklable(outcome: RankOutcome) -> RankOutcome:
     try:
-        import pickle
-
         pickle.dumps(outcome.value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means "drop the value"
         outcome.value = f"<unpicklable return value: {exc}>"
