@@ -114,7 +114,7 @@ def pytest_configure(config):
     session = DcpSession(spec, impl, device_type, selected, timeout, config.getoption("dcp_seed"), reached)
     config.stash[SESSION] = session
 
-    from dcpcheck.dist.torchrun import launched_by_torchrun, launcher_rank, launcher_world_size
+    from dcpcheck.ranks.torchrun import launched_by_torchrun, launcher_rank, launcher_world_size
 
     if launched_by_torchrun():
         session.torchrun_world_size = launcher_world_size()
@@ -135,11 +135,11 @@ def _session(config) -> DcpSession:
 def _launcher(session: DcpSession, config):
     if session.launcher is None:
         if session.torchrun_world_size:
-            from dcpcheck.dist.torchrun import InProcessRanks
+            from dcpcheck.ranks.torchrun import InProcessRanks
 
             session.launcher = InProcessRanks(session.device_type, session.timeout)
         else:
-            from dcpcheck.dist.spawned import SpawnedRanks
+            from dcpcheck.ranks.spawned import SpawnedRanks
 
             session.launcher = SpawnedRanks(
                 session.device_type,
@@ -238,8 +238,8 @@ class DcpRunner:
     def run(self, fn, *, timeout: float | None = None, **case) -> list:
         """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
         Returns each rank's return value, in rank order."""
-        from dcpcheck.dist.pool import PoolStartError
-        from dcpcheck.dist.report import format_case_failure
+        from dcpcheck.ranks.pool import PoolStartError
+        from dcpcheck.ranks.report import format_case_failure
 
         unavailable = getattr(self.impl, "unavailable_reason", None)
         if unavailable is not None:

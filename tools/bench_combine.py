@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcpcheck.dist.group import DcpGroup  # noqa: E402
+from dcpcheck.ranks.group import DcpGroup  # noqa: E402
 from dcpcheck.port.combine import combine  # noqa: E402
 
 HEAD_DIM = 512

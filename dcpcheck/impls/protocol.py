@@ -11,7 +11,7 @@ Conventions shared by every capability (DESIGN.md section 1):
 * ``-1`` in an index tensor means "no candidate"; slot tensors are int32.
 * LSEs are fp32, base 2 unless a ``lse_base`` argument says otherwise; an
   empty row has ``out = 0`` and ``lse = -1e30`` (``-inf`` must work too).
-* ``group`` is a :class:`dcpcheck.dist.group.DcpGroup`, which has the vLLM
+* ``group`` is a :class:`dcpcheck.ranks.group.DcpGroup`, which has the vLLM
   ``GroupCoordinator`` surface, so vLLM functions accept it unchanged.
 """
 

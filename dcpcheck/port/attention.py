@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from dcpcheck.oracle.attention import EMPTY_LSE
+from dcpcheck.port.conventions import EMPTY_LSE
 from dcpcheck.port.combine import combine
 
 LOG2_E = 1.0 / math.log(2.0)

@@ -17,25 +17,18 @@ load: the math runs in fp32 whatever the output dtype.
 from __future__ import annotations
 
 import math
-import os
+
+from dcpcheck.port.triton_env import COMBINE_TILE_ELEMENTS
 
 import torch
 import torch.distributed as dist
-
-from dcpcheck.port import triton_env  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
-
 import triton
 import triton.language as tl
 
-from dcpcheck.oracle.attention import EMPTY_LSE, EMPTY_LSE_BOUND
+from dcpcheck.port.conventions import EMPTY_LSE, EMPTY_LSE_BOUND
 
 COMBINE_BACKENDS = ("ag_rs", "a2a")
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# Elements one program handles: the interpreter pays ~1 ms per program, so it
-# gets big tiles; on a GPU smaller tiles keep registers per thread low.
-_INTERPRETER_TILE = 1 << 16
-_GPU_TILE = 1 << 12
 
 
 @triton.jit
@@ -129,8 +122,7 @@ def _sum_received_kernel(
 def _launch_shape(num_rows: int, head_dim: int) -> tuple[tuple[int], int, int]:
     """-> (grid, BLOCK_ROWS, BLOCK_D) for a kernel over [num_rows, head_dim]."""
     block_d = triton.next_power_of_2(head_dim)
-    tile = _INTERPRETER_TILE if os.environ.get("TRITON_INTERPRET") == "1" else _GPU_TILE
-    block_rows = max(1, min(tile // block_d, triton.next_power_of_2(num_rows)))
+    block_rows = max(1, min(COMBINE_TILE_ELEMENTS // block_d, triton.next_power_of_2(num_rows)))
     return (triton.cdiv(num_rows, block_rows),), block_rows, block_d
 
 

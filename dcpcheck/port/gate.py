@@ -13,10 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from dcpcheck.port.conventions import COMBINE_STAGE, PREFILL_GATHER_ENV, STAGE_ENV
 from dcpcheck.port.layer import DcpAttentionLayer, validate_layout
-from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
-
-PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
 
 
 def reached_stage(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -32,10 +30,10 @@ def reached_stage(environ: Mapping[str, str] = os.environ) -> int | None:
 def require_dcp_stage(world_size: int, environ: Mapping[str, str] = os.environ) -> None:
     """Raise NotImplementedError when W > 1 and the port has not reached stage 3."""
     stage = reached_stage(environ)
-    if world_size > 1 and stage is not None and stage < STAGE_COMBINE:
+    if world_size > 1 and stage is not None and stage < COMBINE_STAGE:
         raise NotImplementedError(
-            f"DCP attention with world size {world_size} needs port stage {STAGE_COMBINE} (partial "
-            f"attention + LSE combine), but {STAGE_ENV}={stage}: set {STAGE_ENV}>={STAGE_COMBINE} "
+            f"DCP attention with world size {world_size} needs port stage {COMBINE_STAGE} (partial "
+            f"attention + LSE combine), but {STAGE_ENV}={stage}: set {STAGE_ENV}>={COMBINE_STAGE} "
             f"(or unset it) or run with DCP world size 1"
         )
 

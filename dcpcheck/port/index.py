@@ -10,20 +10,13 @@ suite's oracle.
 
 from __future__ import annotations
 
-import os
-
-from dcpcheck.port import triton_env  # noqa: F401  (first: sets TRITON_INTERPRET before triton loads)
+from dcpcheck.port.triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
 
 import torch
 import triton
 import triton.language as tl
 
-# Top-k entries per tile, and tokens per program: the CPU interpreter pays per
-# program and per operation, so it gets large blocks; a GPU gets blocks that
-# fit in registers.
-TOPK_TILE = 128
-TOKENS_PER_PROGRAM = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 16
-POSITIONS_PER_PROGRAM = 4096 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+from dcpcheck.port.ownership import owner_and_local
 
 
 @triton.jit
@@ -31,8 +24,8 @@ def _locate_state(state, candidate, table_row, rank, world_size, interleave, bs,
     """Where rank ``rank`` keeps compressed ``state``, for reads and writes alike:
     ``(mine, slot)``; ``mine`` = a candidate this rank owns whose page lies
     inside the block table row (``table_row`` points at it)."""
-    owned = candidate & (state >= 0) & ((state // interleave) % world_size == rank)
-    local = (state // (interleave * world_size)) * interleave + state % interleave
+    owner, local = owner_and_local(state, world_size, interleave)
+    owned = candidate & (state >= 0) & (owner == rank)
     page = local // bs
     mine = owned & (page < max_blocks)
     physical_page = tl.load(table_row + page, mask=mine, other=0).to(tl.int64)

@@ -15,22 +15,18 @@ partials.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from dcpcheck.port import triton_env  # noqa: F401  (first: sets TRITON_INTERPRET before triton loads)
+from dcpcheck.port.triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
 
 import torch
 import triton
 import triton.language as tl
 
+from dcpcheck.port.ownership import owner_and_local
+
 # Most prefill tokens one stage-3 sub-chunk carries (the non-gather path).
 DCP_PREFILL_TOKEN_CHUNK = 2048
-
-# Top-k entries per tile, and tokens per program: the CPU interpreter pays per
-# program, so it gets large blocks; a GPU gets blocks that fit in registers.
-TOPK_TILE = 128
-TOKENS_PER_PROGRAM = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 
 
 @dataclass(frozen=True)
@@ -127,8 +123,7 @@ def _prefill_remap_kernel(
         # A virtual block is bs states on every rank: the buffer's page unit per rank.
         vblock = ids // states_per_virtual_block
         offset = ids % states_per_virtual_block
-        owner = (offset // interleave) % world_size
-        local_offset = (offset // (interleave * world_size)) * interleave + offset % interleave
+        owner, local_offset = owner_and_local(offset, world_size, interleave)
         slot = (bases[:, None] + owner * pages[:, None] + vblock) * bs + local_offset
         tl.store(slot_rows + cols[None, :], tl.where(keep, slot, -1).to(tl.int32), mask=in_bounds)
         count += tl.sum(keep.to(tl.int32), axis=1)

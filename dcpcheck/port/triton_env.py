@@ -1,7 +1,10 @@
-"""Choose how the port's Triton kernels run before triton is first imported.
+"""How the port's Triton kernels run: chosen once, before triton is imported.
 
 Without a GPU the kernels run under the Triton interpreter, which reads
-``TRITON_INTERPRET`` once, at import: setting it later has no effect.
+``TRITON_INTERPRET`` once, at import: setting it later has no effect. The
+interpreter pays about 1 ms per program instance, so it gets large blocks; a
+GPU gets blocks that fit in registers. Every launch size of the port lives
+here, next to the decision it depends on.
 """
 
 from __future__ import annotations
@@ -30,3 +33,10 @@ def ensure_triton_mode() -> None:
 
 
 ensure_triton_mode()
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+TOPK_TILE = 128  # top-k entries per loop step of the index kernels
+TOKENS_PER_PROGRAM = 256 if INTERPRETED else 16  # rows per program of the index kernels
+POSITIONS_PER_PROGRAM = 4096 if INTERPRETED else 1024  # positions per program of the write side
+COMBINE_TILE_ELEMENTS = (1 << 16) if INTERPRETED else (1 << 12)  # elements per program of the combine

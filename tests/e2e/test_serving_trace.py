@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from dcpcheck.compare import MismatchError, assert_close
-from dcpcheck.dist.group import DcpGroup
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.scenarios.layers import LayerSpec, LayerTensors
 from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dcpcheck.compare import CloseStats
-from dcpcheck.dist.group import DcpGroup
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.plugin import seed_for_test
 from dcpcheck.scenarios.batch import StepBatch

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
-from dcpcheck.dist.group import DcpGroup
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.layout import filter_index_reference
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.compare import format_context
-from dcpcheck.dist.group import DcpGroup
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for

@@ -1,7 +1,7 @@
 """The processes of a spawned pool.
 
-:mod:`dcpcheck.dist.pool` starts one *zygote* (``python -m
-dcpcheck.dist.worker``), which imports torch and the implementation once and
+:mod:`dcpcheck.ranks.pool` starts one *zygote* (``python -m
+dcpcheck.ranks.worker``), which imports torch and the implementation once and
 then forks the W ranks: each rank joins the process group once and runs the
 rank functions the pytest process sends it until told to stop. The zygote
 reports how each rank exited. Every process exits by itself when its parent
@@ -44,7 +44,7 @@ def _init_group(args):
     import torch
     import torch.distributed as dist
 
-    from dcpcheck.dist.group import DcpGroup
+    from dcpcheck.ranks.group import DcpGroup
 
     timeout = timedelta(seconds=args.collective_timeout)
     store = dist.FileStore(args.store, args.world_size)
@@ -70,7 +70,7 @@ def _init_group(args):
 
 
 def _run_task(task: dict, group):
-    from dcpcheck.dist.rankfn import RankContext, run_rank_case
+    from dcpcheck.ranks.rankfn import RankContext, run_rank_case
     from dcpcheck.impls.registry import load_implementation
 
     for entry in reversed(task["sys_path"]):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from dcpcheck.dist.worker import STACK_SIGNAL, log_path, stacks_path
+from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
 
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
@@ -125,7 +125,7 @@ class RankPool:
         server.listen(self.world_size + 1)
         server.settimeout(0.2)
         cmd = [
-            sys.executable, "-m", "dcpcheck.dist.worker",
+            sys.executable, "-m", "dcpcheck.ranks.worker",
             "--socket", str(self.tmpdir / "sock"),
             "--store", str(self.tmpdir / "store"),
             "--tmpdir", str(self.tmpdir),

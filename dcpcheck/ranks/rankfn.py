@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dcpcheck.dist.group import DcpGroup
+from dcpcheck.ranks.group import DcpGroup
 
 
 @dataclass

@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dcpcheck.dist.group import DcpGroup
-from dcpcheck.dist.pool import CaseResult
-from dcpcheck.dist.rankfn import RankContext, RankOutcome, run_rank_case
+from dcpcheck.ranks.group import DcpGroup
+from dcpcheck.ranks.pool import CaseResult
+from dcpcheck.ranks.rankfn import RankContext, RankOutcome, run_rank_case
 from dcpcheck.impls.registry import load_implementation
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcpcheck.dist.pool import CaseResult, RankPool
+from dcpcheck.ranks.pool import CaseResult, RankPool
 
 
 class SpawnedRanks:
