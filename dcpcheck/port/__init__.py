@@ -1,3 +1,3 @@
 """The embedded reference DCP2 port: Triton kernels and torch."""
 
-from dcpcheck.port import triton_env  # noqa: F401  (must precede any triton import)
+from . import triton_env  # noqa: F401  (must precede any triton import)

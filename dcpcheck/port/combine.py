@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 
-from dcpcheck.port.triton_env import COMBINE_TILE_ELEMENTS
+from .triton_env import COMBINE_TILE_ELEMENTS
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from dcpcheck.port.conventions import EMPTY_LSE, EMPTY_LSE_BOUND
+from .conventions import EMPTY_LSE, EMPTY_LSE_BOUND
 
 COMBINE_BACKENDS = ("ag_rs", "a2a")
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

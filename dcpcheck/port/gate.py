@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from dcpcheck.port.conventions import COMBINE_STAGE, PREFILL_GATHER_ENV, STAGE_ENV
-from dcpcheck.port.layer import DcpAttentionLayer, validate_layout
+from .conventions import COMBINE_STAGE, PREFILL_GATHER_ENV, STAGE_ENV
+from .layer import DcpAttentionLayer, validate_layout
 
 
 def reached_stage(environ: Mapping[str, str] = os.environ) -> int | None:

@@ -6,7 +6,7 @@ Each capability is a plain function of a stage module; mutants subclass
 
 from __future__ import annotations
 
-from dcpcheck.port import attention, combine, gate, index, prefill
+from . import attention, combine, gate, index, prefill
 
 
 class EmbeddedPort:

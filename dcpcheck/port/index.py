@@ -10,13 +10,13 @@ suite's oracle.
 
 from __future__ import annotations
 
-from dcpcheck.port.triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
+from .triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
 
 import torch
 import triton
 import triton.language as tl
 
-from dcpcheck.port.ownership import owner_and_local
+from .ownership import owner_and_local
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.port.prefill import DCP_PREFILL_TOKEN_CHUNK, PrefillGeometry
+from .prefill import DCP_PREFILL_TOKEN_CHUNK, PrefillGeometry
 
 
 def layout_key(layout) -> tuple[int, int, int, int]:

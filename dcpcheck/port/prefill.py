@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcpcheck.port.triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
+from .triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
 
 import torch
 import triton
 import triton.language as tl
 
-from dcpcheck.port.ownership import owner_and_local
+from .ownership import owner_and_local
 
 # Most prefill tokens one stage-3 sub-chunk carries (the non-gather path).
 DCP_PREFILL_TOKEN_CHUNK = 2048
