@@ -1,5 +1,6 @@
-"""What the stage-9 tests share: one prefill step on this rank, its DCP1
-references, and running the implementation's attention layer over it."""
+"""One prefill step on this rank, its DCP1 references, and running the
+implementation's attention layer over it (the stage-9 tests and the GPU
+stage-9 test)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from dcpcheck.checks.cases import DTYPES, own_heads
 from dcpcheck.compare import format_context
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import dense_state_slots
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS, build_prefill_batch
 from dcpcheck.stages import STAGE_PREFILL
-from tests.stage3_combine.common import DTYPES, own_heads
 
 NUM_HEADS = 8  # W = 8 leaves one head per rank
 HEAD_DIM = 64
@@ -103,9 +104,8 @@ def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
 def port_dcp1(ctx, step: PrefillStep) -> torch.Tensor:
     """The implementation's own W = 1 path (its default prefill path) on one
     rank holding every state, for this rank's heads: [T, H_loc, D]."""
-    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=ctx.device, device_group=None, cpu_group=None)
     layout = KvLayout(rho=step.batch.layout.rho, bs=step.batch.layout.bs, interleave=step.batch.layout.interleave, world_size=1)
     table = dcp1_block_table(step.batch)
     cache = comp_cache_for(step.batch, step.inputs, table, rank=0, world_size=1)
-    layer = ctx.impl.build_attention(layout, single_rank, prefill_gather=False)
+    layer = ctx.impl.build_attention(layout, DcpGroup.single_rank(ctx.device), prefill_gather=False)
     return run_layer(layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device))

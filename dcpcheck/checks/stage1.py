@@ -1,10 +1,12 @@
-"""Calling the implementation under test with a :class:`StepBatch`."""
+"""A rank's stage-1 slots for a :class:`StepBatch`: the implementation's
+(checked for shape and dtype) and the oracle's."""
 
 from __future__ import annotations
 
 import torch
 
 from dcpcheck.compare import MismatchError
+from dcpcheck.oracle.layout import filter_index_reference
 from dcpcheck.scenarios.batch import KvLayout, StepBatch
 
 
@@ -48,3 +50,12 @@ def slot_mapping_on_rank(impl, layout: KvLayout, positions, token_to_req, block_
             f"expected {tuple(positions.shape)}"
         )
     return written.cpu()
+
+
+def stage1_slots(batch: StepBatch, block_table, *, world_size: int, rank: int) -> torch.Tensor:
+    """The rank's candidates from the stage-1 oracle: [T, K] int32, -1 = none."""
+    _, slots = filter_index_reference(
+        batch.topk, batch.token_to_req, block_table, batch.is_valid_token,
+        bs=batch.layout.bs, S=batch.layout.interleave, W=world_size, r=rank,
+    )  # fmt: skip
+    return slots.to(torch.int32)

@@ -25,6 +25,11 @@ class DcpGroup:
     # before the first one.
     collective_calls: int = field(default=0, compare=False)
 
+    @classmethod
+    def single_rank(cls, device: torch.device) -> DcpGroup:
+        """A W = 1 group on ``device``: an implementation's own DCP1 path, no collective."""
+        return cls(rank_in_group=0, world_size=1, device=device, device_group=None, cpu_group=None)
+
     @property
     def rank(self) -> int:
         return self.rank_in_group

@@ -15,6 +15,7 @@ import torch
 
 from dcpcheck.oracle.layout import owner_of_state, slot_of_state
 from dcpcheck.scenarios.batch import StepBatch
+from dcpcheck.scenarios.window import window_rows
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,8 @@ def build_attention_inputs(
     states = torch.randn(int(num_states.sum()), head_dim, generator=gen).to(dtype)
     swa_cache = torch.randn(int(batch.seq_lens.sum()), head_dim, generator=gen).to(dtype)
 
-    window_positions = batch.positions[:, None] - window + 1 + torch.arange(window)
-    in_window = (window_positions >= 0) & batch.is_valid_token[:, None]
-    swa_slots = token_offsets[batch.token_to_req.long()][:, None] + window_positions
-    swa_slots = torch.where(in_window, swa_slots, -1).to(torch.int32)
+    bases = token_offsets[batch.token_to_req.long()]
+    swa_slots = window_rows(batch.positions, batch.is_valid_token, bases, window).to(torch.int32)
     return AttentionInputs(q, sink, states, state_offsets, swa_cache, swa_slots, head_dim**-0.5)
 
 

@@ -18,6 +18,7 @@ from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.batch import KvLayout
 from dcpcheck.scenarios.indexer import indexer_topk
 from dcpcheck.scenarios.trace import RequestSpec, StepRows
+from dcpcheck.scenarios.window import window_rows
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,7 @@ class LayerTensors:
         lengths = rows.seq_lens
         token_offsets = torch.cumsum(lengths, 0) - lengths
         swa_cache = torch.cat([self.latent[uid][:length] for uid, length in zip(rows.uids, lengths.tolist())])
-        window_positions = rows.positions[:, None] - window + 1 + torch.arange(window)
-        readable = (window_positions >= 0) & rows.is_valid_token[:, None]
-        swa_slots = torch.where(readable, token_offsets[rows.token_to_req.long()][:, None] + window_positions, -1)
+        swa_slots = window_rows(rows.positions, rows.is_valid_token, token_offsets[rows.token_to_req.long()], window)
         if not self.spec.compressed:
             return None, None, swa_cache, swa_slots
         num_states = lengths // self.spec.rho

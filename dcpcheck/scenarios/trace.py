@@ -18,6 +18,7 @@ import torch
 
 from dcpcheck.scenarios.batch import KvLayout, StepBatch
 from dcpcheck.scenarios.indexer import indexer_topk, uses_shortcut
+from dcpcheck.scenarios.window import window_rows
 
 # The prefill requests of build_prefill_batch, in batch order ("no state yet"
 # sits between others so that its one-page minimum moves the bases after it).
@@ -183,9 +184,7 @@ class StepRows:
         ``min(p + 1, window)`` tokens, -1 = none; write [T] int64: the row's own
         token, -1 on padding)."""
         bases = torch.tensor([swa_bases[uid] for uid in self.uids], dtype=torch.int64)[self.token_to_req.long()]
-        window_positions = self.positions[:, None] - window + 1 + torch.arange(window)
-        readable = (window_positions >= 0) & self.is_valid_token[:, None]
-        read = torch.where(readable, bases[:, None] + window_positions, -1).to(torch.int32)
+        read = window_rows(self.positions, self.is_valid_token, bases, window).to(torch.int32)
         write = torch.where(self.is_valid_token, bases + self.positions, -1)
         return read, write
 

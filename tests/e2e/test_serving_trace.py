@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.cases import own_heads
+from dcpcheck.checks.stack import RankStack
 from dcpcheck.compare import MismatchError, assert_close
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.layers import LayerSpec, LayerTensors
 from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows
 from dcpcheck.spies import spy_on_capability
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
-from tests.e2e.stack import RankStack
-from tests.stage3_combine.common import own_heads
 
 pytestmark = pytest.mark.needs("build_attention", "slot_mapping", "filter_index", "dcp_attention", "sparse_attention")
 
@@ -59,8 +59,7 @@ def check_serving_trace(ctx, *, backend, prefill_gather):
     ]
     stack_args = dict(head_dim=HEAD_DIM, window=WINDOW, heads=heads, seed=ctx.seed)
     dcp_stack = RankStack(ctx.impl, ctx.group, LAYERS, REQUESTS, **stack_args, backend=backend, prefill_gather=prefill_gather)
-    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=ctx.device, device_group=None, cpu_group=None)
-    dcp1_stack = RankStack(ctx.impl, single_rank, LAYERS, REQUESTS, **stack_args, prefill_gather=False)
+    dcp1_stack = RankStack(ctx.impl, DcpGroup.single_rank(ctx.device), LAYERS, REQUESTS, **stack_args, prefill_gather=False)
     path = "gather" if prefill_gather else "stage 3 sub-chunks"
     worst: dict[str, float] = {}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from dcpcheck.compare import CloseStats
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.plugin import seed_for_test
 from dcpcheck.scenarios.batch import StepBatch
@@ -24,11 +23,6 @@ def shared_seed(dcp, scenario: str) -> int:
     rho), so that a rank process builds that scenario once and reuses it;
     still varied by --dcp-seed."""
     return seed_for_test(dcp.session, f"tests/gpu::{scenario}")
-
-
-def single_rank_group(device: torch.device) -> DcpGroup:
-    """A W = 1 group: the implementation's own DCP1 path, no collective."""
-    return DcpGroup(rank_in_group=0, world_size=1, device=device, device_group=None, cpu_group=None)
 
 
 def spot_rows(batch: StepBatch, stride: int) -> torch.Tensor:

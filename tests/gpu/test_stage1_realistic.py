@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.partition import check_partition
 from dcpcheck.scenarios.profiles import profile_for
 from dcpcheck.stages import STAGE_INDEX
-from tests.stage1_index.test_partition import check_partition
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stage(STAGE_INDEX), pytest.mark.needs("filter_index", "slot_mapping")]
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dcpcheck.checks.stage1 import filter_on_rank, stage1_slots
 from dcpcheck.compare import assert_close
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_COMBINE
-from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, single_rank_group, spot_rows, summary
-from tests.stage1_index.calls import filter_on_rank
-from tests.stage3_combine.test_sharded_attention import stage1_slots
+from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,7 +87,7 @@ def check_realistic_decode(ctx, *, profile, rho, backend, scenario_seed):
     dcp1_slots, _ = filter_on_rank(impl, batch, scenario.dcp1_table, device, world_size=1, rank=0)
     dcp1 = impl.dcp_attention(
         inputs.q.to(device), inputs.sink.to(device), scenario.dcp1_cache, dcp1_slots.to(device),
-        scenario.swa_cache, scenario.swa_slots, single_rank_group(device), scale=inputs.scale,
+        scenario.swa_cache, scenario.swa_slots, DcpGroup.single_rank(device), scale=inputs.scale,
     )[:, heads].cpu()
 
     rows = scenario.spot_rows.tolist()

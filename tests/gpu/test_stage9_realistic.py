@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dcpcheck.checks.prefill import PrefillStep, port_dcp1, run_layer
 from dcpcheck.compare import assert_close
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
@@ -20,7 +21,6 @@ from dcpcheck.scenarios.batch import rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_PREFILL
 from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
-from tests.stage9_prefill.common import PrefillStep, port_dcp1, run_layer
 
 pytestmark = [
     pytest.mark.gpu,

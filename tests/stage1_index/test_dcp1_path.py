@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dcpcheck.checks.stage1 import filter_on_rank, slot_mapping_on_rank
 from dcpcheck.compare import TokenRows, assert_compact_prefix, assert_equal_ints, assert_row_sets_equal
 from dcpcheck.oracle.layout import filter_index_reference, write_slot_mapping
 from dcpcheck.scenarios.batch import KvLayout, StepBatch, build_step_batch, rank_block_table, select_rows
 from dcpcheck.stages import STAGE_INDEX
-from tests.stage1_index.calls import filter_on_rank, slot_mapping_on_rank
 
 pytestmark = [
     pytest.mark.stage(STAGE_INDEX),

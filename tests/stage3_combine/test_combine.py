@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
 from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads, unavailable_reason
+from tests.stage3_combine.common import failure_context, unavailable_reason
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpcheck.checks.cases import LSE_BASES, own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import LSE_BASES, failure_context, own_heads
+from tests.stage3_combine.common import failure_context
 from tests.stage3_combine.test_combine import HEAD_DIM, synthetic_partials
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]

@@ -16,14 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
+from dcpcheck.checks.stage1 import stage1_slots
 from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.oracle import attention as oracle
-from dcpcheck.oracle.layout import filter_index_reference
+from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, build_step_batch, dcp1_block_table, rank_block_table
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import DTYPES, LSE_BASES, failure_context, own_heads
+from tests.stage3_combine.common import failure_context
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
@@ -36,15 +37,6 @@ NUM_HEADS = 8
 HEAD_DIM = 64
 WINDOW = 8
 TOKEN_CHUNK = 5  # splits the batch into uneven sub-chunks
-
-
-def stage1_slots(batch, block_table, *, world_size: int, rank: int) -> torch.Tensor:
-    """The rank's candidates from the stage-1 oracle: [T, K] int32, -1 = none."""
-    _, slots = filter_index_reference(
-        batch.topk, batch.token_to_req, block_table, batch.is_valid_token,
-        bs=batch.layout.bs, S=batch.layout.interleave, W=world_size, r=rank,
-    )
-    return slots.to(torch.int32)
 
 
 def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs):
@@ -111,7 +103,7 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     check(other_lse, merged_lse, f"{other} vs {backend} LSE", lse=True)
 
     # 4. The implementation's own DCP1 path (W = 1: every candidate, window and sink here).
-    single_rank = DcpGroup(rank_in_group=0, world_size=1, device=device, device_group=None, cpu_group=None)
+    single_rank = DcpGroup.single_rank(device)
     port_dcp1 = impl.dcp_attention(
         inputs.q.to(device), inputs.sink.to(device), dcp1_cache.to(device), dcp1_slots.to(device),
         swa_cache, swa_slots, single_rank, scale=inputs.scale,

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpcheck.checks.prefill import prefill_step
 from dcpcheck.compare import MismatchError, assert_equal_ints, fail_if_problems
 from dcpcheck.oracle.prefill import gather_geometry, gathered_slot, remap_reference
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS
 from dcpcheck.stages import STAGE_PREFILL
-from tests.stage9_prefill.common import prefill_step
 
 pytestmark = [
     pytest.mark.stage(STAGE_PREFILL),

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.prefill import HEAD_DIM, oracle_dcp1, port_dcp1, prefill_step, run_layer
 from dcpcheck.compare import MismatchError, assert_close
 from dcpcheck.spies import environment, spy_on_capability, spy_on_collectives
 from dcpcheck.stages import STAGE_PREFILL
-from tests.stage9_prefill.common import HEAD_DIM, oracle_dcp1, port_dcp1, prefill_step, run_layer
 
 pytestmark = [
     pytest.mark.stage(STAGE_PREFILL),
