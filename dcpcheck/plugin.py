@@ -143,8 +143,8 @@ def _launcher(session: DcpSession, config):
 
             session.launcher = SpawnedRanks(
                 session.device_type,
+                case_timeout=session.timeout,
                 startup_timeout=config.getoption("dcp_startup_timeout"),
-                collective_timeout=session.timeout + 30.0,
             )
     return session.launcher
 
@@ -238,7 +238,7 @@ class DcpRunner:
     def run(self, fn, *, timeout: float | None = None, **case) -> list:
         """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
         Returns each rank's return value, in rank order."""
-        from dcpcheck.ranks.pool import PoolStartError
+        from dcpcheck.ranks.launcher import LaunchError
         from dcpcheck.ranks.report import format_case_failure
 
         unavailable = getattr(self.impl, "unavailable_reason", None)
@@ -264,7 +264,7 @@ class DcpRunner:
             result = launcher.run(
                 self.world_size, fn, case, seed=self.seed, impl_spec=self.session.impl_spec, timeout=timeout
             )
-        except PoolStartError as exc:
+        except LaunchError as exc:
             pytest.fail(f"{self.header()}\n{exc}", pytrace=False)
         if not result.ok:
             pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)

@@ -5,6 +5,9 @@ workers share one OS process group, so a stuck case is ended by one
 ``killpg``: no worker, and nothing a worker started, is left behind. Ranks
 meet through a FileStore in a private temporary directory (no port), so
 several pytest processes (xdist) each run their own pools side by side.
+
+The pool offers the steps of its life cycle (start, run, kill, stop);
+:class:`dcpcheck.ranks.spawned.SpawnedRanks` decides when each is taken.
 """
 
 from __future__ import annotations
@@ -18,42 +21,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from dcpcheck.ranks.launcher import CaseResult, LaunchError
 from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
 
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
 PEER_GRACE_S = 3.0
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
+EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
+STOP_WAIT_S = 10.0  # at most, for the ranks to leave their group and exit when asked to
 LOG_TAIL_LINES = 40
-
-
-class PoolStartError(RuntimeError):
-    """The workers could not be started or could not form their group."""
-
-
-@dataclass
-class CaseResult:
-    """What came back from one case on every rank."""
-
-    world_size: int
-    outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
-    stuck: dict = field(default_factory=dict)  # rank -> Python stacks
-    dead: dict = field(default_factory=dict)  # rank -> how it died (+ log tail)
-    timed_out: bool = False
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return (
-            not self.stuck
-            and not self.dead
-            and len(self.outcomes) == self.world_size
-            and all(o.ok for o in self.outcomes.values())
-        )
 
 
 def describe_exit(returncode: int) -> str:
@@ -89,7 +69,6 @@ class RankPool:
         self.pids: dict[int, int] = {}
         self.exit_codes: dict[int, int] = {}
         self.tmpdir: Path | None = None
-        self.startup_seconds = 0.0
 
     # ---- life cycle ------------------------------------------------------
     @property
@@ -118,6 +97,8 @@ class RankPool:
         return env
 
     def start(self) -> None:
+        """Start the zygote and its ranks and wait until they formed their
+        group. On failure, what did start is left running: kill it."""
         started = time.perf_counter()
         self.tmpdir = Path(tempfile.mkdtemp(prefix="dcpcheck-pool-"))
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -144,12 +125,8 @@ class RankPool:
                     env=self._worker_env(), process_group=0,
                 )  # fmt: skip
             self._handshake(server, started)
-        except BaseException:
-            self.kill()
-            raise
         finally:
             server.close()
-        self.startup_seconds = time.perf_counter() - started
 
     def _handshake(self, server: socket.socket, started: float) -> None:
         deadline = started + self.startup_timeout
@@ -181,7 +158,7 @@ class RankPool:
             self._check_started(deadline, expected[-1], force=True)
             raise
         if message[0] not in expected:
-            raise PoolStartError(f"worker sent {message!r} during start-up, expected {expected}")
+            raise LaunchError(f"worker sent {message!r} during start-up, expected {expected}")
         return message
 
     def _check_started(self, deadline: float, phase: str, force: bool = False) -> None:
@@ -194,7 +171,7 @@ class RankPool:
             what.append(f"the zygote {describe_exit(zygote_code)}")
         logs = [f"--- zygote log ---\n{_tail(self.tmpdir / 'zygote.log')}"]
         logs += [f"--- rank {r} log ---\n{_tail(self._log(r))}" for r in range(self.world_size)]
-        raise PoolStartError(
+        raise LaunchError(
             f"could not start {self.world_size} {self.device} ranks ({phase} phase): "
             + ("; ".join(what) or f"timed out after {self.startup_timeout:.0f} s")
             + "\n"
@@ -222,7 +199,7 @@ class RankPool:
             except OSError:
                 pass
         try:
-            self.zygote.wait(10.0)
+            self.zygote.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             pass
         self.kill()
@@ -246,6 +223,8 @@ class RankPool:
 
     # ---- running a case --------------------------------------------------
     def run(self, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+        """One case on every rank. A result with stuck or dead ranks leaves the
+        pool unusable (its group is broken): its owner kills it."""
         task = {
             "op": "run",
             "fn": pickle.dumps(fn),
@@ -287,13 +266,11 @@ class RankPool:
                 first_failure = first_failure or time.perf_counter()
         if pending:
             result.stuck = self.dump_stacks(sorted(pending))
-        if pending or result.dead:
-            self.kill()
         result.seconds = time.perf_counter() - started
         return result
 
     def _death(self, rank: int) -> str:
-        deadline = time.perf_counter() + 2.0
+        deadline = time.perf_counter() + EXIT_REPORT_WAIT_S
         while rank not in self.exit_codes and time.perf_counter() < deadline:
             self._collect_exits(wait_s=0.1)
         how = describe_exit(self.exit_codes[rank]) if rank in self.exit_codes else "closed its connection"

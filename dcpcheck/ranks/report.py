@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcpcheck.ranks.pool import CaseResult
+from dcpcheck.ranks.launcher import CaseResult
 
 
 def format_case_failure(result: CaseResult, *, header: dict, case: dict, timeout: float) -> str:

@@ -1,34 +1,61 @@
-"""Spawned ranks for plain ``pytest``: one persistent pool per world size."""
+"""Spawned ranks for plain ``pytest``: one persistent pool per world size, and
+the one owner of each pool's life cycle.
+
+A pool is started by the first case of its world size and reused by the next
+ones; a case that leaves ranks stuck or dead gets the pool killed (its process
+group is broken), so the next case of that world size starts a fresh one, as
+it does when a rank died between cases; :meth:`SpawnedRanks.stop` ends every
+pool at the end of the session.
+"""
 
 from __future__ import annotations
 
-from dcpcheck.ranks.pool import CaseResult, RankPool
+from dcpcheck.ranks.launcher import CaseResult
+from dcpcheck.ranks.pool import RankPool
+
+# A rank's collectives time out this long after the case timeout, so that a
+# stuck case is ended by the pool (which reads every stuck rank's stack), not
+# by a rank's collective raising first.
+COLLECTIVE_TIMEOUT_GRACE_S = 30.0
 
 
 class SpawnedRanks:
-    def __init__(self, device_type: str, *, startup_timeout: float, collective_timeout: float):
+    def __init__(self, device_type: str, *, case_timeout: float, startup_timeout: float):
         self.device_type = device_type
         self.startup_timeout = startup_timeout
-        self.collective_timeout = collective_timeout
+        self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
 
-    def pool(self, world_size: int, impl_spec: str) -> RankPool:
-        """The live pool for ``world_size``, (re)started when needed."""
+    def _live_pool(self, world_size: int, impl_spec: str) -> RankPool:
+        """The pool for ``world_size``, started when it has none or its ranks died."""
         pool = self.pools.get(world_size)
-        if pool is None or not pool.alive:
-            pool = RankPool(
-                world_size,
-                self.device_type,
-                impl_spec=impl_spec,
-                startup_timeout=self.startup_timeout,
-                collective_timeout=self.collective_timeout,
-            )
-            self.pools[world_size] = pool
+        if pool is not None and pool.alive:
+            return pool
+        if pool is not None:
+            pool.kill()  # whatever is left of it: the zygote, surviving ranks, the temporary directory
+        pool = RankPool(
+            world_size,
+            self.device_type,
+            impl_spec=impl_spec,
+            startup_timeout=self.startup_timeout,
+            collective_timeout=self.collective_timeout,
+        )
+        self.pools[world_size] = pool
+        try:
             pool.start()
+        except BaseException:
+            pool.kill()
+            del self.pools[world_size]
+            raise
         return pool
 
     def run(self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
-        return self.pool(world_size, impl_spec).run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+        pool = self._live_pool(world_size, impl_spec)
+        result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+        if result.stuck or result.dead:
+            pool.kill()
+            del self.pools[world_size]
+        return result
 
     def stop(self) -> None:
         for pool in self.pools.values():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dcpcheck.ranks.group import DcpGroup
-from dcpcheck.ranks.pool import CaseResult
+from dcpcheck.ranks.launcher import CaseResult
 from dcpcheck.ranks.rankfn import RankContext, RankOutcome, run_rank_case
 from dcpcheck.impls.registry import load_implementation
 

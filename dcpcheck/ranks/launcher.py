@@ -1,0 +1,46 @@
+"""What the plugin needs of a way to launch ranks: the result of one case on
+every rank, and the :class:`Launcher` interface that both launchers implement
+(the spawned pools of plain pytest, :mod:`dcpcheck.ranks.spawned`, and the
+in-process ranks of torchrun, :mod:`dcpcheck.ranks.torchrun`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class LaunchError(RuntimeError):
+    """The ranks could not be started or could not form their group."""
+
+
+@dataclass
+class CaseResult:
+    """What came back from one case on every rank."""
+
+    world_size: int
+    outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
+    stuck: dict = field(default_factory=dict)  # rank -> Python stacks
+    dead: dict = field(default_factory=dict)  # rank -> how it died (+ log tail)
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.stuck
+            and not self.dead
+            and len(self.outcomes) == self.world_size
+            and all(o.ok for o in self.outcomes.values())
+        )
+
+
+class Launcher(Protocol):
+    def run(self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+        """Run ``fn(ctx, **case)`` on ``world_size`` ranks with the
+        implementation ``impl_spec``; ranks still running ``timeout`` seconds
+        later are stuck. Raises :class:`LaunchError` when the ranks cannot start."""
+        ...
+
+    def stop(self) -> None:
+        """End every rank process and process group this launcher started."""
+        ...
