@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Mutation report: does the suite kill every mutant of the port?
 
 Runs the stage tests against every mutant of ``dcpcheck.mutants.catalog``
@@ -8,11 +7,12 @@ mutant x stage saying which test killed each mutant, and the kill rate.
 
 A mutant counts as killed only when a test FAILED (pytest exit code 1 with a
 <failure> in the JUnit XML). A collection error, a usage error, a crash of
-pytest, the wall-clock limit, or a buggy copy that no longer matches the port
-outside its bug make it *broken*: not killed. Exit code 0 only when every
-mutant is killed and the clean port passes.
+pytest, the wall-clock limit, or a stale patch (its old text no longer occurs
+exactly once in the port; such a mutant is not run) make it *broken*: not
+killed. Exit code 0 only when every mutant is killed and the clean port passes.
 
     .venv/bin/python tools/mutation_report.py --jobs 2 --markdown reports/mutation.md
+    .venv/bin/python tools/mutation_report.py --show OwnerModW   # the mutant's diff
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dcpcheck.stages import STAGE_ENV, STAGES  # noqa: E402  (after the checkout is on the path)
+from dcpcheck.stages import STAGE_ENV, STAGES  # after the checkout is on the path
 
 # Stage test dirs in suite order; a mutant's own dir (its ``home``) runs first.
 TEST_DIRS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
@@ -51,8 +51,8 @@ class Target:
     stage: int | None
     home: str | None
     description: str
-    capabilities: tuple[str, ...] = ()  # what the bug reaches
-    drift: str | None = None  # why the mutant cannot be trusted to carry only its bug
+    where: str = ""  # the patched definition, file:name
+    stale: str | None = None  # why the patch no longer applies to the port
 
     @property
     def is_mutant(self) -> bool:
@@ -102,8 +102,8 @@ class Run:
 
     def explain(self, limit: float) -> str:
         """Why the run ended as it did, in one line."""
-        if self.target.drift:
-            return f"not run: {self.target.drift}"
+        if self.target.stale:
+            return f"not run: {self.target.stale}"
         if self.killer is not None:
             return f"{self.killer.nodeid}: {self.killer.reason}"
         if self.returncode is None:
@@ -120,17 +120,32 @@ class Run:
 def load_targets(only: list[str]) -> list[Target]:
     from dcpcheck.mutants.catalog import MUTANTS
 
-    names = [m.__name__ for m in MUTANTS]
+    names = [m.name for m in MUTANTS]
     unknown = sorted(set(only) - set(names))
     if unknown:
-        raise SystemExit(f"--only: no mutant named {unknown}; known: {', '.join(names)}")
+        raise SystemExit(f"no mutant named {unknown}; known: {', '.join(names)}")
     return [
-        Target(
-            m.__name__, f"{CATALOG}:{m.__name__}", m.stage, m.home, m.description, m.mutated_capabilities, m.drift()
-        )
+        Target(m.name, f"{CATALOG}:{m.name}", m.stage, m.home, m.description, m.patch.definition(), m.stale())
         for m in MUTANTS
-        if not only or m.__name__ in only
+        if not only or m.name in only
     ]
+
+
+def show(name: str) -> int:
+    """Print the mutant's patch as a unified diff of its port file."""
+    from dcpcheck.mutants.catalog import BY_NAME
+    from dcpcheck.mutants.patch import StalePatch
+
+    if name not in BY_NAME:
+        raise SystemExit(f"--show: no mutant named {name!r}; known: {', '.join(BY_NAME)}")
+    mutant = BY_NAME[name]
+    print(f"# {mutant.name} (stage {mutant.stage}, {mutant.home}): {mutant.description}")
+    try:
+        print(mutant.patch.diff(), end="")
+    except StalePatch as exc:
+        print(exc)
+        return 1
+    return 0
 
 
 def pytest_command(target: Target, junit: Path, args) -> list[str]:
@@ -144,7 +159,7 @@ def pytest_command(target: Target, junit: Path, args) -> list[str]:
 
 
 def run_target(target: Target, workdir: Path, args) -> Run:
-    if target.drift:
+    if target.stale:
         return Run(target, None, 0.0)
     junit = workdir / f"{target.name}.xml"
     # The report checks every stage: an inherited stage limit would skip tests.
@@ -291,6 +306,7 @@ def parse_args(argv):
                         help="wall-clock seconds per pytest process (default 300)")
     parser.add_argument("--markdown", type=Path, help="also write the matrix as markdown to this path")
     parser.add_argument("--list", action="store_true", help="print the catalog and exit")
+    parser.add_argument("--show", metavar="NAME", help="print the mutant's diff of the port and exit")
     args = parser.parse_args(argv)
     args.only = [name for value in args.only for name in value.split(",") if name]
     if args.jobs < 1:
@@ -300,12 +316,13 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.show:
+        return show(args.show)
     targets = load_targets(args.only)
     if args.list:
         for target in targets:
-            drift = f"  [{target.drift}]" if target.drift else ""
-            capabilities = ",".join(target.capabilities)
-            print(f"{target.name:<28} stage {target.stage}  {capabilities:<32} {target.description}{drift}")
+            stale = f"  [{target.stale}]" if target.stale else ""
+            print(f"{target.name:<28} stage {target.stage}  {target.where:<34} {target.description}{stale}")
         return 0
     clean = Target("clean-port", CLEAN_SPEC, None, None, "the embedded port, unmutated")
     start = time.perf_counter()
