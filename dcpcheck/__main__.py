@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-STAGE_TEST_DIRS = ("stage1_index", "stage3_combine", "stage9_prefill", "e2e")
+from dcpcheck.stages import SUITE_TEST_DIRS
 
 
 def main(argv: list[str] | None = None) -> int:
-    tests = Path(__file__).resolve().parent.parent / "tests"
-    targets = [str(tests / name) for name in STAGE_TEST_DIRS if (tests / name).is_dir()]
+    root = Path(__file__).resolve().parent.parent
+    targets = [str(root / folder) for folder in SUITE_TEST_DIRS if (root / folder).is_dir()]
     if not targets:
-        print(f"dcpcheck: no stage tests under {tests}: run from a checkout of the dcpcheck repository", file=sys.stderr)
+        print(f"dcpcheck: no stage tests under {root / 'tests'}: run from a checkout of the dcpcheck repository", file=sys.stderr)
         return 4
     args = list(sys.argv[1:] if argv is None else argv)
     return int(pytest.main(["-q", *targets, *args]))

@@ -20,6 +20,17 @@ STAGES: dict[int, str] = {
     STAGE_PREFILL: "prefill via compressed-KV gather",
 }
 
+# Where each stage's tests live, relative to the repository root.
+STAGE_TEST_DIRS: dict[int, str] = {
+    STAGE_INDEX: "tests/stage1_index",
+    STAGE_COMBINE: "tests/stage3_combine",
+    STAGE_PREFILL: "tests/stage9_prefill",
+}
+# The whole stack through a serving trace; its tests carry the stage they check.
+E2E_TEST_DIR = "tests/e2e"
+# The staged suite the main job runs: not the harness self-tests, not tests/gpu.
+SUITE_TEST_DIRS = (*STAGE_TEST_DIRS.values(), E2E_TEST_DIR)
+
 
 class StageValueError(ValueError):
     """``DSV41_DCP_STAGE`` holds something that is not a non-negative integer."""

@@ -7,7 +7,7 @@ import torch
 
 from dcpcheck.compare import CloseStats
 from dcpcheck.oracle import attention as oracle
-from dcpcheck.plugin import seed_for_test
+from dcpcheck.plugin.session import seed_for_test
 from dcpcheck.scenarios.batch import StepBatch
 from dcpcheck.scenarios.profiles import profile_for
 

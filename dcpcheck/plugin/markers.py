@@ -1,0 +1,79 @@
+"""The suite's markers, the world-size parametrization of the ``dcp``
+fixture, and every skip: decided at collection, the same on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.plugin.session import DcpSession, dcp_session
+from dcpcheck.stages import skip_reason as stage_skip_reason
+
+DEFAULT_WORLD_SIZES = (1, 2, 4, 8)  # what a multi-rank test supports unless it says otherwise
+MARKERS = (
+    "stage(n): the test validates port stage n; skipped when DSV41_DCP_STAGE < n",
+    "needs(*capabilities): implementation capabilities the test calls; skipped when one is missing",
+    "world_sizes(*sizes): the DCP world sizes the test supports (default 1, 2, 4, 8)",
+    "gpu: needs CUDA devices",
+    "spawned_only: needs the spawned pool (skipped under torchrun)",
+)
+
+
+def pytest_configure(config):
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+def pytest_generate_tests(metafunc):
+    if "dcp" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("world_sizes")
+    sizes = tuple(marker.args) if marker else DEFAULT_WORLD_SIZES
+    metafunc.parametrize("dcp", sizes, indirect=True, ids=[f"W{w}" for w in sizes])
+
+
+def _world_size_skip(session: DcpSession, world_size: int) -> str | None:
+    if session.torchrun_world_size:
+        if world_size != session.torchrun_world_size:
+            return f"torchrun launched W={session.torchrun_world_size}; this case needs W={world_size}"
+        return None
+    if world_size not in session.selected_world_sizes:
+        sizes = ",".join(map(str, session.selected_world_sizes))
+        return f"W={world_size} is not selected (--world-sizes {sizes}); add it to --world-sizes to run it"
+    if session.device_type == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if world_size > count:
+            return f"W={world_size} needs {world_size} GPUs (one per rank); this host has {count}"
+    return None
+
+
+def _skip_reason(item, session: DcpSession) -> str | None:
+    from dcpcheck.impls.registry import missing_capabilities
+
+    stage_marker = item.get_closest_marker("stage")
+    if stage_marker and session.reached is not None and stage_marker.args[0] > session.reached:
+        return stage_skip_reason(stage_marker.args[0], session.reached)
+    if item.get_closest_marker("spawned_only") and session.torchrun_world_size:
+        return "needs the spawned pool of plain pytest; skipped under torchrun"
+    if item.get_closest_marker("gpu") and session.device_type != "cuda":
+        return "needs CUDA devices (run with --device cuda on a GPU host)"
+    needed = [cap for marker in item.iter_markers("needs") for cap in marker.args]
+    missing = missing_capabilities(session.impl, needed)
+    if missing:
+        return f"implementation {session.impl_spec!r} lacks capability {', '.join(missing)}"
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "dcp" in callspec.params:
+        return _world_size_skip(session, callspec.params["dcp"])
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    session = dcp_session(config)
+    for item in items:
+        stage_marker = item.get_closest_marker("stage")
+        if stage_marker:
+            item.user_properties.append(("dcp_stage", stage_marker.args[0]))
+        reason = _skip_reason(item, session)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,85 @@
+"""The ``dcp`` fixture: runs a rank function on W ranks and turns what comes
+back into one pass, skip, expected failure or failure message."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
+from dcpcheck.stages import stage_label
+
+# Keys of a rank function's stats dict that are worst errors: the largest over
+# the ranks becomes a JUnit property (dcp_<key>) for tools/gpu_ci.py.
+WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
+
+
+class DcpRunner:
+    """The ``dcp`` fixture: runs a rank function on ``world_size`` ranks."""
+
+    def __init__(self, request, session: DcpSession, world_size: int):
+        self.world_size = world_size
+        self.session = session
+        self.impl = session.impl
+        self.device_type = session.device_type
+        self.nodeid = request.node.nodeid
+        self.seed = seed_for_test(session, self.nodeid)
+        stage_marker = request.node.get_closest_marker("stage")
+        self.stage = stage_marker.args[0] if stage_marker else None
+        self._node = request.node
+
+    def header(self) -> dict:
+        return {
+            "stage": stage_label(self.stage) if self.stage is not None else "harness",
+            "W": self.world_size,
+            "device": f"{self.device_type}/{self.session.backend}",
+            "impl": self.session.impl_spec,
+            "mode": self.session.mode,
+            "seed": self.seed,
+        }
+
+    def run(self, fn, *, timeout: float | None = None, **case) -> list:
+        """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
+        Returns each rank's return value, in rank order."""
+        from dcpcheck.ranks.launcher import LaunchError
+        from dcpcheck.ranks.report import format_case_failure
+
+        unavailable = getattr(self.impl, "unavailable_reason", None)
+        if unavailable is not None:
+            reason = unavailable(device=self.device_type, world_size=self.world_size, **case)
+            if reason:
+                pytest.skip(reason)
+        known_defect = getattr(self.impl, "known_defect", None)
+        if known_defect is not None:
+            defect = known_defect(
+                check=fn.__name__, device=self.device_type, world_size=self.world_size, **case
+            )
+            if defect:
+                # The check still runs: a failure is reported as xfailed with
+                # this reason, a pass as XPASS (the defect may be fixed).
+                self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
+        timeout = timeout or self.session.timeout
+        self._node.user_properties.append(("dcp_world_size", self.world_size))
+        if case.get("backend"):
+            self._node.user_properties.append(("dcp_backend", case["backend"]))
+        try:
+            result = self.session.launcher().run(
+                self.world_size, fn, case, seed=self.seed, impl_spec=self.session.impl_spec, timeout=timeout
+            )
+        except LaunchError as exc:
+            pytest.fail(f"{self.header()}\n{exc}", pytrace=False)
+        if not result.ok:
+            pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
+        values = [result.outcomes[rank].value for rank in range(self.world_size)]
+        self._record_worst_errors(values)
+        return values
+
+    def _record_worst_errors(self, values: list) -> None:
+        for key in WORST_ERROR_KEYS:
+            found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
+            if found:
+                self._node.user_properties.append((f"dcp_{key}", max(found)))
+
+
+@pytest.fixture
+def dcp(request) -> DcpRunner:
+    return DcpRunner(request, dcp_session(request.config), request.param)
