@@ -33,10 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dcpcheck.stages import STAGE_ENV, STAGES  # after the checkout is on the path
+# Imported once this checkout is on the path: its dcpcheck, not an installed one.
+from dcpcheck.stages import STAGE_ENV, STAGES, SUITE_TEST_DIRS
 
 # Stage test dirs in suite order; a mutant's own dir (its ``home``) runs first.
-TEST_DIRS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+TEST_DIRS = SUITE_TEST_DIRS
 STAGE_COLUMNS = {stage: f"{stage} {name.split()[-1]}" for stage, name in STAGES.items()}
 CATALOG = "dcpcheck.mutants.catalog"
 CLEAN_SPEC = "port"

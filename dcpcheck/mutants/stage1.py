@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import partial
 
 from dcpcheck.mutants.patch import Mutant, Patch
-from dcpcheck.stages import STAGE_INDEX
+from dcpcheck.stages import STAGE_INDEX, STAGE_TEST_DIRS
 
-index_mutant = partial(Mutant, stage=STAGE_INDEX, home="tests/stage1_index")
+index_mutant = partial(Mutant, stage=STAGE_INDEX, home=STAGE_TEST_DIRS[STAGE_INDEX])
 
 MUTANTS = (
     index_mutant(

@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import partial
 
 from dcpcheck.mutants.patch import Mutant, Patch
-from dcpcheck.stages import STAGE_COMBINE
+from dcpcheck.stages import STAGE_COMBINE, STAGE_TEST_DIRS
 
-combine_mutant = partial(Mutant, stage=STAGE_COMBINE, home="tests/stage3_combine")
+combine_mutant = partial(Mutant, stage=STAGE_COMBINE, home=STAGE_TEST_DIRS[STAGE_COMBINE])
 
 MUTANTS = (
     combine_mutant(

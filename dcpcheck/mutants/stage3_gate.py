@@ -7,9 +7,9 @@ from __future__ import annotations
 from functools import partial
 
 from dcpcheck.mutants.patch import Mutant, Patch
-from dcpcheck.stages import STAGE_COMBINE
+from dcpcheck.stages import E2E_TEST_DIR, STAGE_COMBINE
 
-gate_mutant = partial(Mutant, stage=STAGE_COMBINE, home="tests/e2e")
+gate_mutant = partial(Mutant, stage=STAGE_COMBINE, home=E2E_TEST_DIR)
 
 GATE_AT_BUILD = """\
     require_dcp_stage(group.world_size)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from functools import partial
 
 from dcpcheck.mutants.patch import Mutant, Patch
-from dcpcheck.stages import STAGE_PREFILL
+from dcpcheck.stages import STAGE_PREFILL, STAGE_TEST_DIRS
 
-prefill_mutant = partial(Mutant, stage=STAGE_PREFILL, home="tests/stage9_prefill")
+prefill_mutant = partial(Mutant, stage=STAGE_PREFILL, home=STAGE_TEST_DIRS[STAGE_PREFILL])
 
 MUTANTS = (
     prefill_mutant(
