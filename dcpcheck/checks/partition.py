@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcpcheck.checks.stage1 import filter_on_rank, slot_mapping_on_rank
+from dcpcheck.checks.stage1 import dcp1_producer_batch, filter_on_rank, slot_mapping_on_rank
 from dcpcheck.compare import (
     TokenRows,
     assert_compact_prefix,
@@ -94,7 +94,9 @@ def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes):
 
     # The implementation runs, then the collectives, then the checks: a rank
     # that finds a mismatch must not leave its peers waiting in a collective.
-    slots, counts = filter_on_rank(ctx.impl, batch, tables[r], device, world_size=W, rank=r)
+    # W = 1 is the DCP1 baseline: it gets what a DCP1 indexer produces.
+    given = batch if W > 1 else dcp1_producer_batch(batch, tables[r])
+    slots, counts = filter_on_rank(ctx.impl, given, tables[r], device, world_size=W, rank=r)
     written = slot_mapping_on_rank(ctx.impl, layout, probe.positions, probe.reqs, tables[r], device, rank=r)
     states = state_of_slot(tables[r], slots, bs, S, W, r, req=batch.token_to_req.unsqueeze(1))
     reads = RankReads(slots, counts, states, gather_from_ranks(ctx, states), gather_from_ranks(ctx, counts.long()))
@@ -177,7 +179,9 @@ def check_partition_of_dcp1(ctx, batch: StepBatch, reads: RankReads, on_kept_pag
     )
     # The implementation's own W = 1 path is the same on every rank: rank 0 checks it.
     if ctx.rank == 0:
-        impl_slots, impl_counts = filter_on_rank(ctx.impl, batch, dcp1_table, ctx.device, world_size=1, rank=0)
+        impl_slots, impl_counts = filter_on_rank(
+            ctx.impl, dcp1_producer_batch(batch, dcp1_table), dcp1_table, ctx.device, world_size=1, rank=0
+        )
         assert_compact_prefix(impl_slots, impl_counts, rows, what="the implementation's W=1 slots")
         assert_row_sets_equal(impl_slots, dcp1_slots, rows, what="slots of the implementation's W=1 path vs the oracle DCP1")
         impl_states = state_of_slot(dcp1_table, impl_slots, layout.bs, layout.interleave, 1, 0, req=batch.token_to_req.unsqueeze(1))

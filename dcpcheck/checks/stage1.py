@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dcpcheck.compare import MismatchError
+from dcpcheck.impls.conventions import conventions_of, pad_topk
 from dcpcheck.oracle.layout import filter_index_reference
 from dcpcheck.scenarios.batch import KvLayout, StepBatch
 
@@ -13,8 +16,9 @@ from dcpcheck.scenarios.batch import KvLayout, StepBatch
 def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: int, rank: int):
     """The implementation's ``filter_index`` for one rank -> CPU (slots, counts),
     after checking their shape and dtype."""
+    multiple = conventions_of(impl).topk_multiple
     slots, counts = impl.filter_index(
-        batch.topk.to(device),
+        pad_topk(batch.topk, multiple).to(device),
         batch.token_to_req.to(device),
         block_table.to(device),
         batch.is_valid_token.to(device),
@@ -23,13 +27,33 @@ def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: i
         rank=rank,
         interleave=batch.layout.interleave,
     )
-    for name, tensor, shape in (("slots", slots, tuple(batch.topk.shape)), ("counts", counts, (batch.num_tokens,))):
+    padded_shape = (batch.num_tokens, pad_topk(batch.topk[:0], multiple).shape[1])
+    for name, tensor, shape in (("slots", slots, padded_shape), ("counts", counts, (batch.num_tokens,))):
         if tuple(tensor.shape) != shape or tensor.dtype != torch.int32:
             raise MismatchError(
                 f"filter_index (W={world_size}, rank {rank}) returned {name} {tuple(tensor.shape)} "
                 f"{tensor.dtype}, expected {shape} torch.int32"
             )
-    return slots.cpu(), counts.cpu()
+    # Only slots[t, :counts[t]] has meaning; the padded tail is the implementation's.
+    return meaningful_prefix(slots.cpu(), counts.cpu(), batch.topk.shape[1]), counts.cpu()
+
+
+def dcp1_producer_batch(batch: StepBatch, table) -> StepBatch:
+    """``batch`` as a DCP1 indexer would hand it over: each row's ids are
+    states its request has (pages inside ``table``), first, then -1. The
+    adversarial rows (-1 anywhere, ids past the table) are for the W > 1
+    filter, which de-interleaves global ids; at W = 1 no producer makes them."""
+    ids = batch.topk.long()
+    keep = (ids >= 0) & (ids // batch.layout.bs < table.shape[1])
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+    compacted = torch.where(torch.gather(keep, 1, order), torch.gather(ids, 1, order), -1)
+    return replace(batch, topk=compacted.to(batch.topk.dtype))
+
+
+def meaningful_prefix(slots: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, top_k]: each row's first ``counts`` slots, -1 after (what a consumer may read)."""
+    keep = torch.arange(slots.shape[1])[None, :] < counts.long()[:, None]
+    return torch.where(keep, slots, -1)[:, :top_k]
 
 
 def slot_mapping_on_rank(impl, layout: KvLayout, positions, token_to_req, block_table, device, *, rank: int):

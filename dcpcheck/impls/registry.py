@@ -32,10 +32,20 @@ def _vllm_tree():
     return VllmImplementation()
 
 
+def _dsv41_tree(spec: str):
+    from dcpcheck.impls.dsv41 import Dsv41Implementation, PortSpecError
+
+    try:
+        return Dsv41Implementation(spec)
+    except PortSpecError as exc:
+        raise ImplSpecError(f"--dcp-impl {spec}: {exc}") from None
+
+
 BUILTIN = {"port": _embedded_port, "vllm": _vllm_tree}
 
 ACCEPTED = (
-    "'port' (the embedded reference port), 'vllm' (an installed vLLM tree), "
+    "'port' (the embedded reference port), 'vllm' (an installed vLLM tree's DCP primitives), "
+    "'dsv41' or 'dsv41:MODULE:CLASS' (a vLLM tree's DCP2 DeepSeek-V4.1 attention layer), "
     "'pkg.module:attr' or 'path/to/file.py:attr' (your own implementation)"
 )
 
@@ -78,6 +88,8 @@ def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
     if spec in BUILTIN:
         return BUILTIN[spec]()
+    if spec == "dsv41" or spec.startswith("dsv41:"):
+        return _dsv41_tree(spec)
     if ":" not in spec:
         raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
     found = _resolve_attr(spec)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dcpcheck.checks.stage1 import filter_on_rank, slot_mapping_on_rank
+from dcpcheck.checks.stage1 import dcp1_producer_batch, filter_on_rank, slot_mapping_on_rank
 from dcpcheck.compare import TokenRows, assert_compact_prefix, assert_equal_ints, assert_row_sets_equal
 from dcpcheck.oracle.layout import filter_index_reference, write_slot_mapping
 from dcpcheck.scenarios.batch import KvLayout, StepBatch, build_step_batch, rank_block_table, select_rows
@@ -45,7 +45,7 @@ def check_dcp1_path(ctx, *, S, bs, rho, table_slack):
 def check_w1_filter(ctx, batch: StepBatch, table, case: str) -> None:
     layout = batch.layout
     rows = TokenRows(case, batch.token_to_req, batch.row_labels)
-    slots, counts = filter_on_rank(ctx.impl, batch, table, ctx.device, world_size=1, rank=0)
+    slots, counts = filter_on_rank(ctx.impl, dcp1_producer_batch(batch, table), table, ctx.device, world_size=1, rank=0)
     owned, expected_slots = filter_index_reference(
         batch.topk, batch.token_to_req, table, batch.is_valid_token, bs=layout.bs, S=layout.interleave, W=1, r=0
     )

@@ -1,0 +1,46 @@
+"""What an implementation declares about its own conventions.
+
+The suite checks an implementation against its declaration, never against
+the embedded port's habits: a real port may need top-k widths in whole
+kernel tiles, compute in bf16, write its own empty-row sentinel, or need a
+head count its kernels support. An implementation without ``conventions``
+gets the defaults, which are the embedded port's (and DESIGN.md's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Conventions:
+    # filter_index takes K a multiple of this; the suite pads its top-k with -1
+    # to the next multiple and keeps its own K everywhere else.
+    topk_multiple: int = 1
+    # The dtype the attention layer rounds q, the caches and its output to;
+    # the oracle rounds its inputs the same way and the tolerance is that of
+    # the dtype the test asked for or this one, whichever is coarser. None: as given.
+    layer_dtype: torch.dtype | None = None
+    # The LSE the implementation writes for a row with no candidate (and no sink).
+    empty_lse: float = -1e30
+    # Heads per rank the attention layer needs (its kernels' h_q); None: any.
+    local_heads: int | None = None
+    # LSE bases the combine is called with by the implementation itself.
+    lse_bases: tuple[float, ...] = (2.0, math.e)
+
+
+def conventions_of(impl) -> Conventions:
+    return getattr(impl, "conventions", None) or Conventions()
+
+
+def pad_topk(topk: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``topk`` [T, K] widened with -1 to a multiple of ``multiple`` columns (at least one tile)."""
+    width = max(multiple, -(-topk.shape[1] // multiple) * multiple)
+    if width == topk.shape[1]:
+        return topk
+    padded = torch.full((topk.shape[0], width), -1, dtype=topk.dtype, device=topk.device)
+    padded[:, : topk.shape[1]] = topk
+    return padded

@@ -1,0 +1,173 @@
+"""Load the DCP2 port from a vLLM tree, as a fresh process would import it.
+
+The port reads its switches (``DSV41_DCP_PREFILL_GATHER``) when its module is
+imported, so each distinct environment gets its own module object executed
+from the tree's file: what a server started with that environment runs.
+Where the SM120 kernel cannot run, the module's own kernel names are bound to
+:mod:`.reference_kernel`; everything else is the tree's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from dcpcheck.impls.dsv41 import reference_kernel
+
+DEFAULT_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
+DEFAULT_CLASS = "DeepseekV4FlashInferSM120Attention"
+BUILDER_CLASS = "DeepseekV4FlashInferSparseMLAMetadataBuilder"
+
+# What the DCP2 diff adds to the attention class; a tree without one of them
+# has not been ported.
+PORT_METHODS = (
+    "_compressed_topk_to_slots",
+    "_dcp_prefill_gather",
+    "_dcp_attn_sink",
+    "_dcp_neutral_swa",
+    "_run_sm120_dcp",
+    "_forward_decode",
+    "_forward_prefill",
+    "_forward_sparse_impl",
+)
+# Module-level names the layer reaches for its kernels and its DCP group.
+KERNEL_NAMES = ("_sm120_sparse_attention_with_lse", "flashinfer_trtllm_batch_decode_sparse_mla_dsv4")
+ENV_READ_AT_IMPORT = ("DSV41_DCP_PREFILL_GATHER",)
+
+INSTALL_HINT = (
+    "install vLLM on CPU with tools/install_vllm_cpu.sh, and put your DCP2-ported tree first on "
+    "PYTHONPATH (tools/build_dsv41_tree.sh builds one from vLLM 0.33.0 and the seed diff)"
+)
+
+
+class PortSpecError(ValueError):
+    """The tree or the class named by ``--dcp-impl dsv41[...]`` is not a DCP2 port."""
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    module: str = DEFAULT_MODULE
+    cls: str = DEFAULT_CLASS
+
+    @classmethod
+    def parse(cls, spec: str) -> PortSpec:
+        """``dsv41`` or ``dsv41:MODULE:CLASS``."""
+        if spec == "dsv41":
+            return cls()
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] != "dsv41" or not all(parts[1:]):
+            raise PortSpecError(f"--dcp-impl {spec!r}: accepted 'dsv41' or 'dsv41:MODULE:CLASS'")
+        return cls(parts[1], parts[2])
+
+
+def kernel_runs_here() -> str | None:
+    """None when FlashInfer's SM120 kernel can run in this process, else why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 12:
+        return f"SM{major}{minor}, the kernel needs SM120"
+    try:
+        import flashinfer.mla._core  # noqa: F401
+    except ImportError as exc:
+        return f"flashinfer not importable ({exc})"
+    return None
+
+
+def _file_of(module_name: str) -> str:
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        raise PortSpecError(f"cannot find module {module_name!r} ({exc}); {INSTALL_HINT}") from exc
+    if spec is None or not spec.origin:
+        raise PortSpecError(f"cannot find module {module_name!r}; {INSTALL_HINT}")
+    return spec.origin
+
+
+def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
+    """The module executed afresh from its file under ``environ`` (restored after)."""
+    path = _file_of(module_name)
+    private = f"dcpcheck_dsv41_{abs(hash((path, tuple(sorted(environ.items())))))}"
+    spec = importlib.util.spec_from_file_location(private, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = module_name.rpartition(".")[0]
+    saved = {name: os.environ.get(name) for name in environ}
+    os.environ.update(environ)
+    try:
+        sys.modules[private] = module
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        sys.modules.pop(private, None)
+        raise PortSpecError(
+            f"{path} does not import: {exc}. A DCP2 port needs the companion changes the diff relies on "
+            f"(docs/dsv41.md, 'What the seed diff needs from the rest of the DCP2 stack'); {INSTALL_HINT}"
+        ) from exc
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return module
+
+
+class PortTree:
+    """The port's module and class, one module object per import-time environment."""
+
+    def __init__(self, spec: PortSpec):
+        self.spec = spec
+        self._modules: dict[tuple, types.ModuleType] = {}
+        self.kernel_reason = kernel_runs_here()
+        module = self.module({})
+        attention = getattr(module, spec.cls, None)
+        if attention is None:
+            raise PortSpecError(f"{spec.module} has no class {spec.cls!r}")
+        missing = [name for name in PORT_METHODS if not callable(getattr(attention, name, None))]
+        if not hasattr(module, BUILDER_CLASS):
+            missing.append(f"{BUILDER_CLASS} (the metadata builder holding the stage gate)")
+        missing += [f"module-level {name}" for name in KERNEL_NAMES if not hasattr(module, name)]
+        if missing:
+            raise PortSpecError(
+                f"{spec.module}.{spec.cls} is not a DCP2 port: it lacks {', '.join(missing)}. "
+                f"Apply the DCP2 diff to this tree (README, 'Checking your DCP2 port')"
+            )
+
+    @property
+    def kernel(self) -> str:
+        if self.kernel_reason is None:
+            return "FlashInfer SM120"
+        return f"reference (SM120 kernel not runnable here: {self.kernel_reason})"
+
+    def module(self, environ: dict[str, str]) -> types.ModuleType:
+        """The port module as imported under ``environ`` (only the variables it reads at import)."""
+        key = tuple(sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT))
+        module = self._modules.get(key)
+        if module is None:
+            module = _execute(self.spec.module, dict(key))
+            if self.kernel_reason is not None:
+                module._sm120_sparse_attention_with_lse = reference_kernel.sm120_sparse_attention_with_lse
+                module.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = (
+                    reference_kernel.trtllm_batch_decode_sparse_mla_dsv4
+                )
+            self._modules[key] = module
+        return module
+
+
+@contextmanager
+def patched(target, **replacements):
+    """Attributes of ``target`` replaced for the duration, then restored."""
+    saved = {name: getattr(target, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(target, name, value)
