@@ -22,6 +22,7 @@ from pathlib import Path
 from dcpcheck.mutants.patch import PORT_DIR, Mutant
 
 PACKAGE_PREFIX = "dcpcheck_mutant_"
+COPY_PREFIX = "dcpcheck-mutant-"  # + the creating process id: temporary directories of copies
 
 
 def _absolute_dcpcheck_imports(package: Path) -> list[str]:
@@ -37,6 +38,25 @@ def _absolute_dcpcheck_imports(package: Path) -> list[str]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
+
+
+def _remove_orphaned_copies() -> None:
+    """Remove the copies of processes that died before their exit handler ran
+    (ranks killed after a failed or stuck case)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{COPY_PREFIX}*"):
+        pid = path.name[len(COPY_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove_at_exit(root: Path) -> None:
     creator = os.getpid()
 
@@ -49,7 +69,8 @@ def _remove_at_exit(root: Path) -> None:
 
 def _write_copy(mutant: Mutant, package: str) -> Path:
     patched = mutant.patch.applied()  # raises StalePatch before anything is written
-    root = Path(tempfile.mkdtemp(prefix=f"dcpcheck-{mutant.name}-"))
+    _remove_orphaned_copies()
+    root = Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{os.getpid()}-{mutant.name}-"))
     _remove_at_exit(root)
     copy = root / package
     shutil.copytree(PORT_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
