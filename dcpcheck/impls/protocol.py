@@ -18,6 +18,7 @@ Conventions shared by every capability (DESIGN.md section 1):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -41,6 +42,35 @@ CAPABILITIES: dict[str, int] = {
 
 LSE_BASES = (2.0, math.e)
 COMBINE_BACKENDS = ("ag_rs", "a2a")
+
+# Named properties of a case's scenario, declared by the tests with
+# ``@pytest.mark.scenario(name, ...)``: what a known defect or an unavailable
+# case can depend on beyond the case's numbers.
+SCENARIO_PROPERTIES: dict[str, str] = {
+    "short_table": "a block-table row is shorter than its request's pages: ids on the cut pages are read "
+    "by no rank and written by none",
+    "garbage_under_sentinel": "rows where every rank's partial is empty (LSE at the -1e30 sentinel) "
+    "with NaN or random outputs under it",
+    "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
+}
+
+
+@dataclass(frozen=True)
+class CaseTerms:
+    """A case in the contract's terms, as the harness hands it to
+    ``unavailable_reason`` and ``known_defect`` before launch (and a rank
+    function to ``unavailable_reason`` before it calls a capability): never
+    rank-function names or test parameter spellings, so renaming a test
+    changes no answer. ``None`` means the case does not pick that term."""
+
+    device: str  # "cpu" | "cuda"
+    world_size: int  # W
+    capabilities: frozenset[str]  # the capabilities the case calls (a test's needs marker)
+    backend: str | None = None  # combine backend, one of COMBINE_BACKENDS
+    lse_base: float | None = None  # one of LSE_BASES
+    dtype: torch.dtype | None = None  # of the attention inputs and partials
+    head_dim: int | None = None  # D
+    properties: frozenset[str] = frozenset()  # names from SCENARIO_PROPERTIES
 
 
 @runtime_checkable
@@ -184,13 +214,13 @@ class DcpImplementation(Protocol):
         get count 0)."""
 
     # ---- optional answers the harness asks before launch --------------------
-    def unavailable_reason(self, *, device: str, world_size: int, **case) -> str | None:
+    def unavailable_reason(self, terms: CaseTerms) -> str | None:
         """Why this case cannot run here (the test is skipped with it), or None."""
 
-    def known_defect(self, *, check: str, device: str, world_size: int, **case) -> str | None:
-        """A known defect of this implementation that makes rank function
-        ``check`` fail on this case (the test becomes an expected failure
-        with it, and still runs), or None."""
+    def known_defect(self, terms: CaseTerms) -> str | None:
+        """A known defect of this implementation that makes this case fail
+        (the test becomes an expected failure with it, and still runs), or
+        None."""
 
     # ---- the gate ---------------------------------------------------------
     def build_attention(self, layout, group, **options):

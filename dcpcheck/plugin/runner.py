@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
 from dcpcheck.stages import stage_label
 
@@ -40,19 +41,25 @@ class DcpRunner:
     def run(self, fn, *, timeout: float | None = None, **case) -> list:
         """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
         Returns each rank's return value, in rank order."""
+        from dcpcheck.checks.cases import case_terms
         from dcpcheck.ranks.launcher import LaunchError
         from dcpcheck.ranks.report import format_case_failure
 
+        terms = case_terms(
+            device=self.device_type,
+            world_size=self.world_size,
+            capabilities=needed_capabilities(self._node),
+            properties=scenario_properties(self._node),
+            case=case,
+        )
         unavailable = getattr(self.impl, "unavailable_reason", None)
         if unavailable is not None:
-            reason = unavailable(device=self.device_type, world_size=self.world_size, **case)
+            reason = unavailable(terms)
             if reason:
                 pytest.skip(reason)
         known_defect = getattr(self.impl, "known_defect", None)
         if known_defect is not None:
-            defect = known_defect(
-                check=fn.__name__, device=self.device_type, world_size=self.world_size, **case
-            )
+            defect = known_defect(terms)
             if defect:
                 # The check still runs: a failure is reported as xfailed with
                 # this reason, a pass as XPASS (the defect may be fixed).

@@ -13,7 +13,8 @@ from dcpcheck.stages import STAGE_INDEX
 pytestmark = [pytest.mark.gpu, pytest.mark.stage(STAGE_INDEX), pytest.mark.needs("filter_index", "slot_mapping")]
 
 
-@pytest.mark.parametrize("rho, table_slack", [(4, 2), (128, -1)])  # -1: the longest request's newest page is cut
+# -1: the longest request's newest page is cut
+@pytest.mark.parametrize("rho, table_slack", [(4, 2), pytest.param(128, -1, marks=pytest.mark.scenario("short_table"))])
 def test_realistic_partition(dcp, rho, table_slack):
     shapes = profile_for(dcp.device_type)
     dcp.run(

@@ -134,41 +134,73 @@ def test_no_worker_outlives_a_finished_session(tmp_path):
 
 
 KNOWN_DEFECT_IMPL = '''
+import math
+
+import torch
+
+
 class WithKnownDefect:
     name = "defective"
 
     def combine(self, *args, **kwargs):
         raise NotImplementedError
 
-    def known_defect(self, *, check, device, world_size, **case):
-        if check == "fails_on_rank_zero":
+    def unavailable_reason(self, terms):
+        if terms.lse_base == math.e and terms.dtype == torch.bfloat16 and terms.head_dim == 72:
+            return "no base-e bf16 kernel at D=72 here"
+        return None
+
+    def known_defect(self, terms):
+        if "combine" in terms.capabilities and terms.world_size == 2 and terms.backend == "a2a":
             return "rank 0 always fails (vendor bug 123)"
-        if check == "passes" and case.get("flaky"):
+        if "short_table" in terms.properties:
             return "was broken before release 2"
         return None
 '''
 
 KNOWN_DEFECT_TESTS = '''
-def fails_on_rank_zero(ctx):
+import pytest
+
+pytestmark = pytest.mark.world_sizes(2)
+
+def fails_on_rank_zero(ctx, *, backend):
     assert ctx.rank != 0, "rank 0 failed"
 
-def passes(ctx, *, flaky):
+def passes(ctx, **case):
     pass
 
+@pytest.mark.needs("combine")
 def test_known_defect(dcp):
-    dcp.run(fails_on_rank_zero)
+    dcp.run(fails_on_rank_zero, backend="a2a")
 
+@pytest.mark.scenario("short_table")
 def test_fixed_defect(dcp):
-    dcp.run(passes, flaky=True)
+    dcp.run(passes)
 
 def test_no_defect(dcp):
-    dcp.run(passes, flaky=False)
+    dcp.run(passes, backend="a2a")  # the case does not call combine
+
+def test_unavailable_case(dcp):
+    dcp.run(passes, lse_base="e", dtype_name="bf16", head_dim=72)
+
+def test_available_case(dcp):
+    dcp.run(passes, lse_base="2", dtype_name="bf16", head_dim=72)
 '''
 
 
 def test_known_defects_are_expected_failures_that_still_run(tmp_path):
     write_session(tmp_path, {"defective.py": KNOWN_DEFECT_IMPL, "test_defect.py": KNOWN_DEFECT_TESTS})
-    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rxX"])
+    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rsxX"])
     assert code == 0, output
-    assert "1 passed" in output and "1 xfailed" in output and "1 xpassed" in output, output
+    assert "2 passed" in output and "1 skipped" in output, output
+    assert "1 xfailed" in output and "1 xpassed" in output, output
     assert "known defect of defective.py:WithKnownDefect: rank 0 always fails (vendor bug 123)" in output
+    assert "no base-e bf16 kernel at D=72 here" in output
+
+
+def test_unknown_scenario_property_is_a_usage_error(tmp_path):
+    tests = 'import pytest\n\n@pytest.mark.scenario("short_tables")\ndef test_x(dcp):\n    pass\n'
+    write_session(tmp_path, {"test_typo.py": tests})
+    code, output = run_inner_pytest(tmp_path, [])
+    assert code == 4, output
+    assert "unknown scenario properties ['short_tables']" in output and "'short_table'" in output

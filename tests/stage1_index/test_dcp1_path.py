@@ -20,6 +20,7 @@ pytestmark = [
     pytest.mark.needs("filter_index", "slot_mapping"),
     pytest.mark.world_sizes(1),
 ]
+SHORT_TABLE = pytest.mark.scenario("short_table")  # table_slack < 0
 
 # One below, at and one above the tile sizes a kernel is likely to use.
 TOP_K_AROUND_TILES = (1, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129)
@@ -74,7 +75,7 @@ def check_w1_slot_mapping(ctx, batch: StepBatch, table, case: str) -> None:
     "S, bs, rho, table_slack",
     [
         pytest.param(1, 4, 4, 1, id="S1-bs4-rho4"),
-        pytest.param(2, 10, 128, -1, id="S2-bs10-rho128-short_table"),
+        pytest.param(2, 10, 128, -1, id="S2-bs10-rho128-short_table", marks=SHORT_TABLE),
         pytest.param(64, 64, 4, 0, id="S64-bs64-rho4"),
     ],
 )

@@ -3,6 +3,7 @@ it cannot run."""
 
 from __future__ import annotations
 
+from dcpcheck.checks.cases import case_terms
 from dcpcheck.stages import STAGE_COMBINE
 
 
@@ -11,9 +12,11 @@ def failure_context(ctx, **case) -> dict:
     return {"stage": STAGE_COMBINE, "W": ctx.world_size, "rank": ctx.rank, **case}
 
 
-def unavailable_reason(ctx, **case) -> str | None:
-    """The implementation's answer to ``unavailable_reason`` for ``case`` on
-    this rank's device and world size, as the harness asks it before launch;
-    None when it can run the case or has no such method."""
+def combine_unavailable_reason(ctx, **case) -> str | None:
+    """The implementation's answer to ``unavailable_reason`` for a combine of
+    ``case`` on this rank's device and world size, in the terms the harness
+    hands it before launch; None when it can run it or has no such method."""
     ask = getattr(ctx.impl, "unavailable_reason", None)
-    return ask(device=ctx.device.type, world_size=ctx.world_size, **case) if ask else None
+    if ask is None:
+        return None
+    return ask(case_terms(device=ctx.device.type, world_size=ctx.world_size, capabilities=("combine",), case=case))

@@ -16,9 +16,10 @@ from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
 from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import failure_context, unavailable_reason
+from tests.stage3_combine.common import combine_unavailable_reason, failure_context
 
-pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
+# Every case combines synthetic_partials, whose rows 5 and 6 hold LSEs near 150.
+pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("lse_near_150")]
 
 NUM_TOKENS = 40
 HEAD_DIM = 64  # the main cases: a power of two, as vLLM's kernels need (tl.arange bound)
@@ -93,7 +94,7 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim):
     other = "a2a" if backend == "ag_rs" else "ag_rs"
     # The same answer on every rank (it depends on the case only), so no rank
     # skips a collective its peers enter.
-    other_unavailable = unavailable_reason(ctx, **{**ctx.case, "backend": other})
+    other_unavailable = combine_unavailable_reason(ctx, **{**ctx.case, "backend": other})
     if other_unavailable:
         return {**stats.as_dict(), "cross_check": f"{other} vs {backend} skipped: {other_unavailable}"}
     other_out, other_lse = ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True)

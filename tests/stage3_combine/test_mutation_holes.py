@@ -13,26 +13,29 @@ weight, so the merge must still be 0 with the empty LSE.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from dcpcheck.checks.cases import LSE_BASES, own_heads
+from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.common import failure_context
 from tests.stage3_combine.test_combine import HEAD_DIM, synthetic_partials
 
-pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
+pytestmark = [
+    pytest.mark.stage(STAGE_COMBINE),
+    pytest.mark.needs("combine"),
+    pytest.mark.scenario("garbage_under_sentinel", "lse_near_150"),  # synthetic_partials' rows 5 and 6
+]
 
 NUM_HEADS = 8
 NAN_ROW = 0  # synthetic_partials: every rank at the sentinel
 GARBAGE_ROW = 8  # a random row, turned into one with every rank at the sentinel
 
 
-def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, head_dim):
+def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_dim):
     base = LSE_BASES[lse_base]
     context = failure_context(ctx, backend=backend, lse_base=lse_base, H=NUM_HEADS, D=head_dim)
-    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, torch.float32, head_dim)
+    outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, DTYPES[dtype_name], head_dim)
     outs[:, NAN_ROW] = float("nan")
     lses[:, GARBAGE_ROW] = EMPTY_LSE  # its random outputs stay
 
@@ -53,4 +56,4 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, head_dim):
 @pytest.mark.parametrize("lse_base", ["2", "e"])
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_sentinel_partial_gets_no_weight(dcp, backend, lse_base):
-    dcp.run(check_sentinel_gets_no_weight, backend=backend, lse_base=lse_base, head_dim=HEAD_DIM)
+    dcp.run(check_sentinel_gets_no_weight, backend=backend, lse_base=lse_base, dtype_name="fp32", head_dim=HEAD_DIM)
