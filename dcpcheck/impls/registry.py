@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from dcpcheck.impls.protocol import CAPABILITIES
@@ -83,7 +83,7 @@ def _resolve_attr(spec: str):
         raise ImplSpecError(f"--dcp-impl {spec!r}: module {target!r} has no attribute {attr!r}") from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
     if spec in BUILTIN:
@@ -108,7 +108,3 @@ def _looks_like_impl(obj) -> bool:
 
 def missing_capabilities(impl, needed) -> list[str]:
     return [name for name in needed if not callable(getattr(impl, name, None))]
-
-
-def impl_name(impl, spec: str) -> str:
-    return getattr(impl, "name", None) or spec

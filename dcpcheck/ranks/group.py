@@ -102,23 +102,6 @@ class DcpGroup:
         dist.broadcast(input_, src=src, group=self.device_group)
         return input_
 
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input_: torch.Tensor,
-        output_split_sizes: list[int] | None = None,
-        input_split_sizes: list[int] | None = None,
-    ) -> torch.Tensor:
-        """``torch.distributed.all_to_all_single`` on the device group."""
-        if self.world_size == 1:
-            output.copy_(input_)
-            return output
-        self._count()
-        dist.all_to_all_single(
-            output, input_, output_split_sizes, input_split_sizes, group=self.device_group
-        )
-        return output
-
     def barrier(self) -> None:
         if self.world_size > 1:
             self._count()

@@ -146,7 +146,7 @@ class RankPool:
             else:
                 _, rank, pid = message
                 self.conns[rank], self.pids[rank] = conn, pid
-        for rank, conn in self.conns.items():
+        for conn in self.conns.values():
             self._recv_startup(conn, deadline, ("ready",))
 
     def _recv_startup(self, conn: Connection, deadline: float, expected: tuple):

@@ -61,7 +61,7 @@ def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     start = time.perf_counter()
     try:
         value = fn(ctx, **ctx.case)
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported, with its rank
+    except BaseException as exc:  # every failure is reported, with its rank; interrupts go on
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return RankOutcome(ctx.rank, False, format_rank_error(ctx.rank, exc), None, time.perf_counter() - start)

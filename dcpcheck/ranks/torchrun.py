@@ -19,10 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import CaseResult
 from dcpcheck.ranks.rankfn import RankContext, RankOutcome, run_rank_case
-from dcpcheck.impls.registry import load_implementation
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Extra seconds, past the case timeout, before a rank stuck outside any

@@ -70,8 +70,8 @@ def _init_group(args):
 
 
 def _run_task(task: dict, group):
-    from dcpcheck.ranks.rankfn import RankContext, run_rank_case
     from dcpcheck.impls.registry import load_implementation
+    from dcpcheck.ranks.rankfn import RankContext, run_rank_case
 
     for entry in reversed(task["sys_path"]):
         if entry not in sys.path:
@@ -93,7 +93,6 @@ def log_path(tmpdir: str, rank: int) -> str:
 
 def _preload(args) -> None:
     """Import what every rank needs once, before forking (copy-on-write)."""
-    import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
     if args.device == "cpu":  # on CUDA, nothing that could initialise the driver before fork
