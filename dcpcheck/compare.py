@@ -174,6 +174,12 @@ DIM_NAMES: dict[int, tuple[str, ...]] = {
 }
 
 
+def coarser_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
+    """Of the given float dtypes, the one with the fewest mantissa bits."""
+    present = [d for d in dtypes if d is not None]
+    return max(present, key=lambda d: torch.finfo(d).eps)
+
+
 def tolerance_for(quantity: str, dtype: torch.dtype) -> Tolerance:
     try:
         return FLOAT_TOLERANCES[(quantity, dtype)]
@@ -251,14 +257,16 @@ def assert_close(
     context: Mapping[str, Any] | None = None,
     quantity: str = "out",
     tolerance: Tolerance | None = None,
+    dtype: torch.dtype | None = None,
     dims: Sequence[str] | None = None,
     row_labels: Sequence[str] | None = None,
     offsets: Sequence[int] | None = None,
 ) -> CloseStats:
     """Raise :class:`MismatchError` unless ``actual`` is within tolerance of ``expected``.
 
-    The tolerance comes from :data:`FLOAT_TOLERANCES` by ``quantity`` and the
-    dtype of ``actual`` unless given. NaN in ``actual`` is always out of
+    The tolerance comes from :data:`FLOAT_TOLERANCES` by ``quantity`` and
+    ``dtype`` (the dtype the test asked for; by default that of ``actual``)
+    unless given. NaN in ``actual`` is always out of
     tolerance; equal infinities match. The message names ``what``, the
     context, the worst element (location by ``dims``, default token/head/dim,
     with ``row_labels[token]`` when given, shifted by ``offsets`` when the
@@ -266,7 +274,7 @@ def assert_close(
     actual vs expected there, and how many elements are out of tolerance.
     Returns the error statistics when it passes.
     """
-    tolerance = tolerance or tolerance_for(quantity, actual.dtype)
+    tolerance = tolerance or tolerance_for(quantity, dtype or actual.dtype)
     return _check(actual, expected, _as_float64, tolerance, what, context, dims, row_labels, offsets)
 
 

@@ -75,17 +75,27 @@ class LayerStepInputs:
 class LayerTensors:
     """Every request's data for one layer of the stack."""
 
-    def __init__(self, spec: LayerSpec, requests: list[RequestSpec], *, num_heads: int, head_dim: int, seed: int):
+    def __init__(
+        self, spec: LayerSpec, requests: list[RequestSpec], *, num_heads: int, head_dim: int, seed: int,
+        rounded_to: torch.dtype | None = None,
+    ):
+        """``rounded_to``: the dtype the layer under test computes in; q, the
+        latents and the states are drawn in fp32 and rounded through it, so
+        the oracle reads exactly what that layer reads."""
         self.spec = spec
         self.seed = seed
         gen = torch.Generator().manual_seed(seed)
         self.sink = torch.rand(num_heads, generator=gen) * 4.0 - 1.0  # about the mass of a few candidates
+
+        def rounded(x: torch.Tensor) -> torch.Tensor:
+            return x if rounded_to is None else x.to(rounded_to).to(x.dtype)
+
         self.q, self.latent, self.states = {}, {}, {}
         for request in requests:
-            self.q[request.uid] = torch.randn(request.final_len, num_heads, head_dim, generator=gen)
-            self.latent[request.uid] = torch.randn(request.final_len, head_dim, generator=gen)
+            self.q[request.uid] = rounded(torch.randn(request.final_len, num_heads, head_dim, generator=gen))
+            self.latent[request.uid] = rounded(torch.randn(request.final_len, head_dim, generator=gen))
             if spec.compressed:
-                self.states[request.uid] = compress_states(self.latent[request.uid], spec.rho)
+                self.states[request.uid] = rounded(compress_states(self.latent[request.uid], spec.rho))
                 if spec.rho == 128 and request.final_len // spec.rho > spec.top_k:
                     raise ValueError(f"C128A reads every state: top_k={spec.top_k} < {request.final_len // spec.rho} states")
 

@@ -25,8 +25,14 @@ import torch
 
 from dcpcheck.impls.conventions import Conventions
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.defects import port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
-from dcpcheck.impls.dsv41.layer import TOPK_TILE, LayerSpec, build_port_layer, check_stage_gate
+from dcpcheck.impls.dsv41.layer import (
+    TOPK_TILE,
+    LayerSpec,
+    build_port_layer,
+    check_stage_gate,
+)
 from dcpcheck.impls.dsv41.tree import PortSpec, PortSpecError, PortTree
 
 __all__ = ["Dsv41Implementation", "PortSpecError"]
@@ -49,7 +55,9 @@ class Dsv41Implementation:
     def __init__(self, spec: str = "dsv41"):
         from dcpcheck.impls.vllm_adapter import VllmImplementation
 
-        self.vllm = VllmImplementation()  # sets up triton for vLLM on CPU; the tree's own functions
+        self.vllm = (
+            VllmImplementation()
+        )  # sets up triton for vLLM on CPU; the tree's own functions
         self.tree = PortTree(PortSpec.parse(spec))
         self.kernel = self.tree.kernel
         self._filter_layers: dict[tuple, object] = {}
@@ -64,15 +72,35 @@ class Dsv41Implementation:
         device = torch.device(device)
         buffer = self._topk_buffers.get(device)
         if buffer is None:
-            buffer = torch.full((MAX_NUM_BATCHED_TOKENS, TOPK_TILE), -1, dtype=torch.int32, device=device)
+            buffer = torch.full(
+                (MAX_NUM_BATCHED_TOKENS, TOPK_TILE),
+                -1,
+                dtype=torch.int32,
+                device=device,
+            )
             self._topk_buffers[device] = buffer
         return buffer
 
     # ---- stage 1 -----------------------------------------------------------
-    def filter_index(self, topk, token_to_req, block_table, is_valid_token, *, bs, world_size, rank, interleave):
+    def filter_index(
+        self,
+        topk,
+        token_to_req,
+        block_table,
+        is_valid_token,
+        *,
+        bs,
+        world_size,
+        rank,
+        interleave,
+    ):
         layer = self._filter_layer(topk.device, world_size, rank, interleave)
         return layer._compressed_topk_to_slots(
-            topk.to(torch.int32), token_to_req.to(torch.int32), block_table, bs, is_valid_token.bool()
+            topk.to(torch.int32),
+            token_to_req.to(torch.int32),
+            block_table,
+            bs,
+            is_valid_token.bool(),
         )
 
     def _filter_layer(self, device, world_size, rank, interleave):
@@ -82,27 +110,68 @@ class Dsv41Implementation:
         if layer is None:
             group = _FilterGroup(world_size, rank, device)
             spec = LayerSpec(
-                layer_id=0, rho=1, bs=1, interleave=interleave, world_size=world_size, rank=rank,
-                local_heads=self.conventions.local_heads, head_dim=64, window=128,
-                sink=torch.zeros(self.conventions.local_heads), topk_buffer=self.topk_buffer(device),
-                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_model_len=DEFAULT_MAX_MODEL_LEN,
+                layer_id=0,
+                rho=1,
+                bs=1,
+                interleave=interleave,
+                world_size=world_size,
+                rank=rank,
+                local_heads=self.conventions.local_heads,
+                head_dim=64,
+                window=128,
+                sink=torch.zeros(self.conventions.local_heads),
+                topk_buffer=self.topk_buffer(device),
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                max_model_len=DEFAULT_MAX_MODEL_LEN,
             )
-            layer, _ = build_port_layer(self.tree, group, spec, backend="a2a", prefill_token_chunk=None)
+            layer, _ = build_port_layer(
+                self.tree, group, spec, backend="a2a", prefill_token_chunk=None
+            )
             self._filter_layers[key] = layer
         return layer
 
-    def slot_mapping(self, positions, token_to_req, block_table, *, rho, bs, world_size, rank, interleave):
+    def slot_mapping(
+        self,
+        positions,
+        token_to_req,
+        block_table,
+        *,
+        rho,
+        bs,
+        world_size,
+        rank,
+        interleave,
+    ):
         return self.vllm.slot_mapping(
-            positions, token_to_req, block_table, rho=rho, bs=bs, world_size=world_size, rank=rank,
+            positions,
+            token_to_req,
+            block_table,
+            rho=rho,
+            bs=bs,
+            world_size=world_size,
+            rank=rank,
             interleave=interleave,
         )
 
     # ---- stage 3 -----------------------------------------------------------
-    def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
-        return self.vllm.combine(out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse)
+    def combine(
+        self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False
+    ):
+        return self.vllm.combine(
+            out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse
+        )
 
-    def build_attention(self, layout, group, *, backend="ag_rs", prefill_gather=None, prefill_token_chunk=None,
-                        max_model_len=DEFAULT_MAX_MODEL_LEN, **options):
+    def build_attention(
+        self,
+        layout,
+        group,
+        *,
+        backend="ag_rs",
+        prefill_gather=None,
+        prefill_token_chunk=None,
+        max_model_len=DEFAULT_MAX_MODEL_LEN,
+        **options,
+    ):
         if options:
             raise TypeError(f"build_attention: unknown options {sorted(options)}")
         check_stage_gate(self.tree, group, world_size=group.world_size)
@@ -110,29 +179,44 @@ class Dsv41Implementation:
             prefill_gather = os.environ.get("DSV41_DCP_PREFILL_GATHER", "0") == "1"
         self._layers_built += 1
         return PortAttention(
-            self, layout, group, layer_id=self._layers_built, backend=backend, prefill_gather=prefill_gather,
-            prefill_token_chunk=prefill_token_chunk, max_model_len=max_model_len,
+            self,
+            layout,
+            group,
+            layer_id=self._layers_built,
+            backend=backend,
+            prefill_gather=prefill_gather,
+            prefill_token_chunk=prefill_token_chunk,
+            max_model_len=max_model_len,
         )
 
     # ---- answers asked before launch ----------------------------------------
-    def unavailable_reason(self, *, device, world_size, **case):
-        reason = self.vllm.unavailable_reason(world_size=world_size, **case)
+    def unavailable_reason(self, terms):
+        """vLLM's combine limits (its combine is the port's), and LSE bases the port never uses."""
+        reason = self.vllm.unavailable_reason(terms)
         if reason:
             return reason
-        base = case.get("lse_base")
-        if base is not None and float(base) not in self.conventions.lse_bases:
-            return f"the DCP2 port calls the combine with base-2 LSEs only (is_lse_base_on_e=False), not base {base}"
+        if (
+            terms.lse_base is not None
+            and terms.lse_base not in self.conventions.lse_bases
+        ):
+            return (
+                f"the DCP2 port calls the combine with base-2 LSEs only (is_lse_base_on_e=False), "
+                f"not base {terms.lse_base:g}"
+            )
         return None
 
-    def known_defect(self, **case):
-        """vLLM's own defects (its write side and combine are the tree's), then the port's."""
-        from dcpcheck.impls.dsv41.defects import port_defect
-
-        return " / ".join(r for r in (self.vllm.known_defect(**case), port_defect(**case)) if r) or None
+    def known_defect(self, terms):
+        """vLLM's own defects (the write side and the combine are the tree's), then the port's."""
+        reasons = [r for r in (self.vllm.known_defect(terms), port_defect(terms)) if r]
+        return " / ".join(reasons) or None
 
 
 class _FilterGroup:
     """The group a filter-only layer is built with: the filter makes no collective."""
 
     def __init__(self, world_size, rank, device):
-        self.world_size, self.rank_in_group, self.device = world_size, rank, torch.device(device)
+        self.world_size, self.rank_in_group, self.device = (
+            world_size,
+            rank,
+            torch.device(device),
+        )

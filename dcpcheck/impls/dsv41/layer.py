@@ -39,7 +39,9 @@ import torch
 from dcpcheck.impls.dsv41 import reference_kernel
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 
-TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
+TOPK_TILE = (
+    128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
+)
 NULL_PAGE = 0
 COMBINE_ENV = "DSV41_DCP_COMBINE"
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
@@ -49,11 +51,20 @@ def padded_topk_width(top_k: int) -> int:
     return max(TOPK_TILE, -(-top_k // TOPK_TILE) * TOPK_TILE)
 
 
-def _config(*, world_size: int, interleave_tokens: int, max_num_batched_tokens: int, max_model_len: int):
+def _config(
+    *,
+    world_size: int,
+    interleave_tokens: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+):
     """The fields of a VllmConfig the port and its builder read."""
     ns = types.SimpleNamespace
     return ns(
-        parallel_config=ns(decode_context_parallel_size=world_size, cp_kv_cache_interleave_size=interleave_tokens),
+        parallel_config=ns(
+            decode_context_parallel_size=world_size,
+            cp_kv_cache_interleave_size=interleave_tokens,
+        ),
         attention_config=ns(use_non_causal=False),
         speculative_config=None,
         scheduler_config=ns(max_num_batched_tokens=max_num_batched_tokens),
@@ -66,7 +77,12 @@ def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
     module = tree.module(dict(os.environ))
     builder_cls = getattr(module, BUILDER_CLASS)
     parent = builder_cls.__mro__[1]
-    config = _config(world_size=world_size, interleave_tokens=1, max_num_batched_tokens=1, max_model_len=1)
+    config = _config(
+        world_size=world_size,
+        interleave_tokens=1,
+        max_num_batched_tokens=1,
+        max_model_len=1,
+    )
 
     def weightless_builder_init(self, *args, **kwargs):
         self.vllm_config = config
@@ -78,14 +94,34 @@ def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
 class LayerSpec:
     """What the weightless base ``__init__`` gives one layer."""
 
-    def __init__(self, *, layer_id, rho, bs, interleave, world_size, rank, local_heads, head_dim, window,
-                 sink, topk_buffer, max_num_batched_tokens, max_model_len):
+    def __init__(
+        self,
+        *,
+        layer_id,
+        rho,
+        bs,
+        interleave,
+        world_size,
+        rank,
+        local_heads,
+        head_dim,
+        window,
+        sink,
+        topk_buffer,
+        max_num_batched_tokens,
+        max_model_len,
+    ):
         self.__dict__.update(locals())
         del self.__dict__["self"]
 
 
 def build_port_layer(
-    tree: PortTree, group, spec: LayerSpec, *, backend: str, prefill_token_chunk: int | None,
+    tree: PortTree,
+    group,
+    spec: LayerSpec,
+    *,
+    backend: str,
+    prefill_token_chunk: int | None,
     prefill_gather: bool | None = None,
 ):
     """The tree's attention class, its own ``__init__`` run on a weightless base.
@@ -95,11 +131,15 @@ def build_port_layer(
         environ[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
     module = tree.module(environ)
     cls = getattr(module, tree.spec.cls)
-    base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
+    base = next(
+        klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention"
+    )
     interleave_tokens = spec.interleave * max(spec.rho, 1)
     config = _config(
-        world_size=spec.world_size, interleave_tokens=interleave_tokens,
-        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
+        world_size=spec.world_size,
+        interleave_tokens=interleave_tokens,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len,
     )
 
     def weightless_init(self, vllm_config, prefix, topk_indices_buffer=None, **kwargs):
@@ -114,36 +154,55 @@ def build_port_layer(
         self.compress_ratio = spec.rho
         self.scale = spec.head_dim**-0.5
         self.padded_heads = self.get_padded_num_q_heads(self.n_local_heads)
-        sink = torch.full((self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device)
+        sink = torch.full(
+            (self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device
+        )
         sink[: spec.local_heads] = spec.sink.float()
         self.attn_sink = torch.nn.Parameter(sink, requires_grad=False)
         self.topk_indices_buffer = topk_indices_buffer
-        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.max_num_batched_tokens = (
+            vllm_config.scheduler_config.max_num_batched_tokens
+        )
         self.max_model_len = vllm_config.model_config.max_model_len
         self.kv_cache_torch_dtype = torch.bfloat16
         self._o_proj_block_size = 128
         self.compressed_cache_prefix = None if spec.rho == 0 else prefix
-        self.swa_cache_layer = types.SimpleNamespace(kv_cache=None, prefix=f"{prefix}.swa")
+        self.swa_cache_layer = types.SimpleNamespace(
+            kv_cache=None, prefix=f"{prefix}.swa"
+        )
         # What the DCP2 stack's base class adds (vLLM's own units).
         self.dcp_world_size = group.world_size
         self.dcp_rank = group.rank_in_group
-        self.cp_kv_cache_interleave_size = vllm_config.parallel_config.cp_kv_cache_interleave_size
+        self.cp_kv_cache_interleave_size = (
+            vllm_config.parallel_config.cp_kv_cache_interleave_size
+        )
 
     replacements = {"get_dcp_group": lambda: group}
     if tree.kernel_reason is not None:
-        replacements["compute_fp8_einsum_recipe"] = lambda block_size=128: ((1, 1, block_size), True)
+        replacements["compute_fp8_einsum_recipe"] = lambda block_size=128: (
+            (1, 1, block_size),
+            True,
+        )
     import vllm.utils.flashinfer as flashinfer_utils
 
     config_check = {}
     if tree.kernel_reason is not None:
-        config_check["has_flashinfer_sparse_mla_sm120_config"] = reference_kernel.has_sm120_config
+        config_check["has_flashinfer_sparse_mla_sm120_config"] = (
+            reference_kernel.has_sm120_config
+        )
     with (
         patched(base, __init__=weightless_init),
-        patched(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}),
+        patched(
+            module, **{k: v for k, v in replacements.items() if hasattr(module, k)}
+        ),
         patched(flashinfer_utils, **config_check),
         _environment(environ),
     ):
-        layer = cls(config, f"model.layers.{spec.layer_id}.attn", topk_indices_buffer=spec.topk_buffer)
+        layer = cls(
+            config,
+            f"model.layers.{spec.layer_id}.attn",
+            topk_indices_buffer=spec.topk_buffer,
+        )
     if prefill_token_chunk is not None:
         layer.DCP_PREFILL_TOKEN_CHUNK = prefill_token_chunk
     else:
