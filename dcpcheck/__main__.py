@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     targets = [str(root / folder) for folder in SUITE_TEST_DIRS if (root / folder).is_dir()]
     if not targets:
-        print(f"dcpcheck: no stage tests under {root / 'tests'}: run from a checkout of the dcpcheck repository", file=sys.stderr)
+        print(
+            f"dcpcheck: no stage tests under {root / 'tests'}: run from a checkout of the dcpcheck repository",
+            file=sys.stderr,
+        )
         return 4
     args = list(sys.argv[1:] if argv is None else argv)
     return int(pytest.main(["-q", *targets, *args]))

@@ -137,8 +137,8 @@ def assert_equal_ints(actual, expected, *, case: str, what: str, name_index) -> 
     ]
     fail_if_problems(case, what, problems, total=len(wrong))
 
-# ---- floating-point comparisons (tolerances live here and nowhere else) ----
 
+# ---- floating-point comparisons (tolerances live here and nowhere else) ----
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcpcheck.ranks.group import DcpGroup  # noqa: E402
-from dcpcheck.port.combine import combine  # noqa: E402
+from dcpcheck.port.combine import combine
+from dcpcheck.ranks.group import DcpGroup
 
 HEAD_DIM = 512
 LSE_COLUMNS = 2  # an fp32 LSE packed as bf16 columns
@@ -197,7 +197,9 @@ def rank_main(rank: int, world: int, store_path: str | None, args) -> None:
     device = torch.device("cuda", rank if store_path else int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     store = dist.FileStore(store_path, world) if store_path else None
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60), device_id=device)
+    dist.init_process_group(
+        "nccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60), device_id=device
+    )
     group = DcpGroup(rank, world, device, dist.group.WORLD, None)
     try:
         rows = table_rows(run_benchmark(group, args))
@@ -209,12 +211,16 @@ def rank_main(rank: int, world: int, store_path: str | None, args) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: every GPU); ignored under torchrun")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks to spawn (default: every GPU); ignored under torchrun"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 128], help="gathered heads H")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--iters", type=int, default=200, help="timed calls per measurement (the median is kept)")
-    parser.add_argument("--out", type=Path, default=Path("bench-combine"), help="folder for the CSV and markdown tables")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-combine"), help="folder for the CSV and markdown tables"
+    )
     return parser.parse_args(argv)
 
 
@@ -225,8 +231,11 @@ def main(argv=None) -> int:
         return 0
     world = args.nproc or torch.cuda.device_count()
     if world < 2 or world > torch.cuda.device_count():
-        print(f"bench_combine: needs W >= 2 ranks, one GPU each; asked for {world}, "
-              f"{torch.cuda.device_count()} GPUs visible", file=sys.stderr)
+        print(
+            f"bench_combine: needs W >= 2 ranks, one GPU each; asked for {world}, "
+            f"{torch.cuda.device_count()} GPUs visible",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-combine-") as tmp:
         torch.multiprocessing.spawn(rank_main, args=(world, os.path.join(tmp, "store"), args), nprocs=world)

@@ -126,14 +126,21 @@ def render(rows: dict[tuple, Row], timings: dict[str, tuple[int, float]]) -> str
 
     def order(key):
         step, stage, world, backend = key
-        return (list(timings).index(step) if step in timings else 99, stage, int(world) if world.isdigit() else 0, backend)
+        return (
+            list(timings).index(step) if step in timings else 99,
+            stage,
+            int(world) if world.isdigit() else 0,
+            backend,
+        )
 
     for key in sorted(rows, key=order):
         row = rows[key]
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
         cases = row.passed + row.failed + row.skipped
-        lines.append(f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} |")
+        lines.append(
+            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} |"
+        )
     lines += ["", "| step | exit | seconds |", "|---|---:|---:|"]
     lines += [f"| {step} | {code} | {seconds:.1f} |" for step, (code, seconds) in timings.items()]
     return "\n".join(lines)
@@ -154,7 +161,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the driver itself")
     parser.add_argument("--world-sizes", default=None, help="passed to pytest (default: the plugin's, 1,2,4,8 on CUDA)")
     parser.add_argument("--dcp-timeout", type=float, default=60.0, help="seconds one multi-rank case may take")
-    parser.add_argument("--steps", default=None, help="comma-separated subset of: " + ",".join(s for s, _ in POOL_STEPS) + ",torchrun")
+    parser.add_argument(
+        "--steps", default=None, help="comma-separated subset of: " + ",".join(s for s, _ in POOL_STEPS) + ",torchrun"
+    )
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per pool step (0: none)")
     parser.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failure")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # Imported once this checkout is on the path: its dcpcheck, not an installed one.
-from dcpcheck.stages import STAGE_ENV, STAGES, SUITE_TEST_DIRS
+from dcpcheck.stages import STAGE_ENV, STAGES, SUITE_TEST_DIRS  # noqa: E402
 
 # Stage test dirs in suite order; a mutant's own dir (its ``home``) runs first.
 TEST_DIRS = SUITE_TEST_DIRS
@@ -168,8 +168,13 @@ def run_target(target: Target, workdir: Path, args) -> Run:
     start = time.perf_counter()
     # A session of its own: at the limit one killpg ends pytest and everything it started.
     process = subprocess.Popen(
-        pytest_command(target, junit, args), cwd=ROOT, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        pytest_command(target, junit, args),
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         output, _ = process.communicate(timeout=args.limit)
@@ -297,14 +302,21 @@ def summary(mutant_runs: list[Run], clean: Run, seconds: float, limit: float) ->
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", default=[], metavar="NAME",
-                        help="run only this mutant (repeatable, or comma-separated)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this mutant (repeatable, or comma-separated)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at once (default 1)")
     parser.add_argument("--world-sizes", help="passed to pytest (default: pytest's, 1,2,4 on CPU)")
-    parser.add_argument("--dcp-timeout", type=float, default=15.0,
-                        help="seconds one multi-rank case may take (default 15)")
-    parser.add_argument("--limit", type=float, default=300.0,
-                        help="wall-clock seconds per pytest process (default 300)")
+    parser.add_argument(
+        "--dcp-timeout", type=float, default=15.0, help="seconds one multi-rank case may take (default 15)"
+    )
+    parser.add_argument(
+        "--limit", type=float, default=300.0, help="wall-clock seconds per pytest process (default 300)"
+    )
     parser.add_argument("--markdown", type=Path, help="also write the matrix as markdown to this path")
     parser.add_argument("--list", action="store_true", help="print the catalog and exit")
     parser.add_argument("--show", metavar="NAME", help="print the mutant's diff of the port and exit")

@@ -26,4 +26,3 @@ class CountingGroup:
         if tensor.dim() >= 3 and dim % tensor.dim() == 0:
             self.gathered_kv_rows += tensor.numel() // tensor.shape[-1]
         return self._group.all_gather(tensor, dim)
-

@@ -144,8 +144,14 @@ def check_own_reads(batch: StepBatch, table, reads: RankReads, rows: TokenRows, 
         ],
     )
     owned, _ = filter_index_reference(
-        batch.topk, batch.token_to_req, table, batch.is_valid_token,
-        bs=layout.bs, S=layout.interleave, W=layout.world_size, r=rank,
+        batch.topk,
+        batch.token_to_req,
+        table,
+        batch.is_valid_token,
+        bs=layout.bs,
+        S=layout.interleave,
+        W=layout.world_size,
+        r=rank,
     )
     assert_row_sets_equal(
         reads.states,
@@ -168,7 +174,10 @@ def check_partition_of_dcp1(ctx, batch: StepBatch, reads: RankReads, on_kept_pag
     union = reads.all_states.permute(1, 0, 2).reshape(batch.num_tokens, -1)
     assert_rows_disjoint(reads.all_states, rows, what="states read by two ranks")
     assert_row_sets_equal(
-        union, torch.where(dcp1_owned & kept, ids, -1), rows, what=f"union over the {W} ranks vs the oracle DCP1 set (less cut pages)"
+        union,
+        torch.where(dcp1_owned & kept, ids, -1),
+        rows,
+        what=f"union over the {W} ranks vs the oracle DCP1 set (less cut pages)",
     )
     assert_equal_ints(
         reads.all_counts.sum(0),
@@ -183,8 +192,12 @@ def check_partition_of_dcp1(ctx, batch: StepBatch, reads: RankReads, on_kept_pag
             ctx.impl, dcp1_producer_batch(batch, dcp1_table), dcp1_table, ctx.device, world_size=1, rank=0
         )
         assert_compact_prefix(impl_slots, impl_counts, rows, what="the implementation's W=1 slots")
-        assert_row_sets_equal(impl_slots, dcp1_slots, rows, what="slots of the implementation's W=1 path vs the oracle DCP1")
-        impl_states = state_of_slot(dcp1_table, impl_slots, layout.bs, layout.interleave, 1, 0, req=batch.token_to_req.unsqueeze(1))
+        assert_row_sets_equal(
+            impl_slots, dcp1_slots, rows, what="slots of the implementation's W=1 path vs the oracle DCP1"
+        )
+        impl_states = state_of_slot(
+            dcp1_table, impl_slots, layout.bs, layout.interleave, 1, 0, req=batch.token_to_req.unsqueeze(1)
+        )
         assert_row_sets_equal(
             union,
             torch.where(on_kept_page(impl_states), impl_states, -1),
@@ -195,17 +208,34 @@ def check_partition_of_dcp1(ctx, batch: StepBatch, reads: RankReads, on_kept_pag
 
 
 def check_write_side(
-    batch: StepBatch, table, reads: RankReads, written, all_written, probe: WriteProbe, on_kept_page, rows: TokenRows, *, rank: int
+    batch: StepBatch,
+    table,
+    reads: RankReads,
+    written,
+    all_written,
+    probe: WriteProbe,
+    on_kept_page,
+    rows: TokenRows,
+    *,
+    rank: int,
 ) -> None:
     """``slot_mapping`` equals the oracle on this rank, writes every state
     this rank reads exactly where it reads it, and each state has one writer:
     its owner (none when its page is cut from the row)."""
     layout = batch.layout
     expected = write_slot_mapping(
-        probe.positions, probe.reqs, table,
-        rho=layout.rho, bs=layout.bs, S=layout.interleave, W=layout.world_size, r=rank,
+        probe.positions,
+        probe.reqs,
+        table,
+        rho=layout.rho,
+        bs=layout.bs,
+        S=layout.interleave,
+        W=layout.world_size,
+        r=rank,
     )
-    assert_equal_ints(written, expected, case=rows.case, what=f"slot_mapping on rank {rank} vs the oracle", name_index=probe.name)
+    assert_equal_ints(
+        written, expected, case=rows.case, what=f"slot_mapping on rank {rank} vs the oracle", name_index=probe.name
+    )
 
     row_reqs = batch.token_to_req.long().unsqueeze(1)
     # Slots of no state of the row's request were reported by check_own_reads.

@@ -58,10 +58,19 @@ def prefill_step(ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, 
     table = rank_block_table(batch, ctx.rank)
     cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
     full_context = {
-        "stage": STAGE_PREFILL, "W": ctx.world_size, "rank": ctx.rank,
-        "rho": rho, "S": S, "bs": bs, "K": top_k, "dtype": dtype_name, **context,
+        "stage": STAGE_PREFILL,
+        "W": ctx.world_size,
+        "rank": ctx.rank,
+        "rho": rho,
+        "S": S,
+        "bs": bs,
+        "K": top_k,
+        "dtype": dtype_name,
+        **context,
     }
-    return PrefillStep(batch, inputs, own_heads(ctx, NUM_HEADS), table.to(ctx.device), cache.to(ctx.device), full_context)
+    return PrefillStep(
+        batch, inputs, own_heads(ctx, NUM_HEADS), table.to(ctx.device), cache.to(ctx.device), full_context
+    )
 
 
 def run_layer(layer, step: PrefillStep, device, *, block_table=None, comp_cache=None, heads=None) -> torch.Tensor:
@@ -95,8 +104,13 @@ def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
     batch, inputs = step.batch, step.inputs
     comp_slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
     out, _ = oracle.sparse_attention(
-        inputs.q[:, step.heads], inputs.states, comp_slots, inputs.swa_cache, inputs.swa_slots,
-        inputs.sink[step.heads], scale=inputs.scale,
+        inputs.q[:, step.heads],
+        inputs.states,
+        comp_slots,
+        inputs.swa_cache,
+        inputs.swa_slots,
+        inputs.sink[step.heads],
+        scale=inputs.scale,
     )
     return out
 
@@ -104,7 +118,9 @@ def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
 def port_dcp1(ctx, step: PrefillStep) -> torch.Tensor:
     """The implementation's own W = 1 path (its default prefill path) on one
     rank holding every state, for this rank's heads: [T, H_loc, D]."""
-    layout = KvLayout(rho=step.batch.layout.rho, bs=step.batch.layout.bs, interleave=step.batch.layout.interleave, world_size=1)
+    layout = KvLayout(
+        rho=step.batch.layout.rho, bs=step.batch.layout.bs, interleave=step.batch.layout.interleave, world_size=1
+    )
     table = dcp1_block_table(step.batch)
     cache = comp_cache_for(step.batch, step.inputs, table, rank=0, world_size=1)
     layer = ctx.impl.build_attention(layout, DcpGroup.single_rank(ctx.device), prefill_gather=False)

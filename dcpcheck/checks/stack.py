@@ -58,7 +58,9 @@ class RankStack:
                     states = torch.tensor([request.final_len // spec.rho for request in requests])
                     num_pages = int(pages_needed(states, rank, spec.bs, spec.interleave, world).sum()) + 2
                     self.tables[layout] = PagedTables(layout.kv_layout(), rank, num_pages=num_pages, seed=seed)
-                comp_cache = torch.full((self.tables[layout].num_pages * spec.bs, head_dim), float("nan"), device=device)
+                comp_cache = torch.full(
+                    (self.tables[layout].num_pages * spec.bs, head_dim), float("nan"), device=device
+                )
             attention = impl.build_attention(layout, group, **layer_options)
             swa_cache = torch.full((swa_rows, head_dim), float("nan"), device=device)
             self.layers.append(StackLayer(spec, layout, attention, swa_cache, comp_cache))

@@ -52,6 +52,8 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "garbage_under_sentinel": "rows where every rank's partial is empty (LSE at the -1e30 sentinel) "
     "with NaN or random outputs under it",
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
+    "multi_token_interleave": "compressed layers whose interleave spans more than one token "
+    "(S states * rho tokens per state > 1), read and written at W > 1",
 }
 
 
@@ -179,9 +181,7 @@ class DcpImplementation(Protocol):
         tokens when given. -> [T, H_loc, D]."""
 
     # ---- stage 9: prefill via compressed-KV gather ----------------------
-    def prefill_geometry(
-        self, seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int
-    ):
+    def prefill_geometry(self, seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: int):
         """Geometry of one step's prefill requests (``seq_lens`` [R]: their
         lengths in tokens after the step), computed once per step and shared
         by every layer of the KV layout: an object with ``pages`` [R]

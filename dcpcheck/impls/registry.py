@@ -96,8 +96,7 @@ def load_implementation(spec: str):
     impl = found() if isinstance(found, type) or (callable(found) and not _looks_like_impl(found)) else found
     if not _looks_like_impl(impl):
         raise ImplSpecError(
-            f"--dcp-impl {spec!r} resolved to {impl!r}, which has none of the capability "
-            f"methods {sorted(CAPABILITIES)}"
+            f"--dcp-impl {spec!r} resolved to {impl!r}, which has none of the capability methods {sorted(CAPABILITIES)}"
         )
     return impl
 

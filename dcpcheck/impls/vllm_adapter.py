@@ -95,9 +95,11 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
         ),
         KnownDefect(
             capability="combine",
-            applies=lambda terms: terms.dtype == torch.float32
-            and "lse_near_150" in terms.properties
-            and (terms.world_size, terms.lse_base) in _FP32_LSE_ROUNDING_CASES,
+            applies=lambda terms: (
+                terms.dtype == torch.float32
+                and "lse_near_150" in terms.properties
+                and (terms.world_size, terms.lse_base) in _FP32_LSE_ROUNDING_CASES
+            ),
             reason="the fp32 weights use the merged LSE after it is rounded to fp32, up to 6e-6 off "
             "at |LSE| ~ 150 (docs/vllm.md, known defect 4)",
         ),
@@ -142,9 +144,7 @@ class VllmImplementation:
         self._ag_rs_correction_kernel = dcp._CORRECT_ATTN_CP_OUT_KERNEL
 
     # ---- stage 1 -----------------------------------------------------------
-    def filter_index(
-        self, topk, token_to_req, block_table, is_valid_token, *, bs, world_size, rank, interleave
-    ):
+    def filter_index(self, topk, token_to_req, block_table, is_valid_token, *, bs, world_size, rank, interleave):
         num_topk = topk.shape[1]
         # vLLM takes no validity mask; a padding row with no ids is how it
         # sees one, and its kernel gives such a row count 0.
@@ -166,9 +166,7 @@ class VllmImplementation:
             return_valid_counts=True,
         )
 
-    def slot_mapping(
-        self, positions, token_to_req, block_table, *, rho, bs, world_size, rank, interleave
-    ):
+    def slot_mapping(self, positions, token_to_req, block_table, *, rho, bs, world_size, rank, interleave):
         device = positions.device
         # vLLM's interleave counts tokens and a state lives on the rank owning
         # its last token, so S states are S * rho tokens.
@@ -226,8 +224,7 @@ class VllmImplementation:
         num_heads, world_size = out.shape[1], group.world_size
         if num_heads % world_size:
             raise ValueError(
-                f"combine: H={num_heads} heads do not split over W={world_size} ranks; "
-                f"accepted: H a multiple of W"
+                f"combine: H={num_heads} heads do not split over W={world_size} ranks; accepted: H a multiple of W"
             )
         if world_size > 1:
             reason = self._combine_unavailable_reason(backend, head_dim=out.shape[2])

@@ -26,7 +26,9 @@ MUTANTS = (
     combine_mutant(
         name="SinkOnEveryRank",
         description="the attention sink is applied on every rank, so the combine counts exp(sink) W times",
-        patch=Patch("attention.py", "swa_cache, swa_slots, sink = None, None, None", "swa_cache, swa_slots = None, None"),
+        patch=Patch(
+            "attention.py", "swa_cache, swa_slots, sink = None, None, None", "swa_cache, swa_slots = None, None"
+        ),
     ),
     combine_mutant(
         name="WindowOnEveryRank",
@@ -45,7 +47,11 @@ MUTANTS = (
     combine_mutant(
         name="LseBaseEReadAs2",
         description="combine ignores lse_base: a base-e LSE is merged as if it were base 2",
-        patch=Patch("combine.py", "combine_backend(out, lse, group, math.log2(lse_base))", "combine_backend(out, lse, group, 1.0)"),
+        patch=Patch(
+            "combine.py",
+            "combine_backend(out, lse, group, math.log2(lse_base))",
+            "combine_backend(out, lse, group, 1.0)",
+        ),
     ),
     combine_mutant(
         name="SentinelGivenWeight",

@@ -59,7 +59,9 @@ def sparse_attention(
     """
     num_tokens, _, head_dim = q.shape
     sources = [(comp_cache, comp_slots), (swa_cache, swa_slots)]
-    candidates = [_gather_candidates(cache, slots) for cache, slots in sources if cache is not None and slots is not None]
+    candidates = [
+        _gather_candidates(cache, slots) for cache, slots in sources if cache is not None and slots is not None
+    ]
     no_rows = torch.zeros(num_tokens, 0, head_dim, dtype=torch.float64)  # keeps cat valid with no source
     kv = torch.cat([rows for rows, _ in candidates] + [no_rows], dim=1)
     valid = torch.cat([ok for _, ok in candidates] + [no_rows[..., 0].bool()], dim=1)

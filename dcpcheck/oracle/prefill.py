@@ -42,7 +42,9 @@ def gather_geometry(seq_lens: torch.Tensor, *, rho: int, bs: int, W: int) -> Gat
     return GatherGeometry(pages, bases, int(W * pages.sum()))
 
 
-def gathered_slot(c: torch.Tensor, req: torch.Tensor, geometry: GatherGeometry, *, bs: int, S: int, W: int) -> torch.Tensor:
+def gathered_slot(
+    c: torch.Tensor, req: torch.Tensor, geometry: GatherGeometry, *, bs: int, S: int, W: int
+) -> torch.Tensor:
     """Slot of global state ``c`` of prefill request ``req`` (broadcast) in the
     gathered buffer; -1 where ``c < 0``."""
     c, req = torch.broadcast_tensors(c.to(torch.int64), req.to(torch.int64))

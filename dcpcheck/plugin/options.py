@@ -11,11 +11,34 @@ DEFAULT_STARTUP_TIMEOUT_S = 240.0
 
 def pytest_addoption(parser):
     group = parser.getgroup("dcpcheck", "DCP staged correctness suite")
-    group.addoption("--dcp-impl", default="port", help="implementation under test: port (default), vllm, pkg.module:attr or path/file.py:attr")
-    group.addoption("--world-sizes", default=None, help="comma-separated DCP world sizes to run (default 1,2,4 on CPU; 1,2,4,8 on CUDA, capped by the GPU count)")
-    group.addoption("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S, help=f"seconds one multi-rank case may take before its ranks are declared stuck (default {DEFAULT_TIMEOUT_S:g})")
-    group.addoption("--dcp-startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, help=f"seconds a pool of ranks may take to start (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
-    group.addoption("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where ranks run: auto = cuda when a GPU is visible, else cpu")
+    group.addoption(
+        "--dcp-impl",
+        default="port",
+        help="implementation under test: port (default), vllm, pkg.module:attr or path/file.py:attr",
+    )
+    group.addoption(
+        "--world-sizes",
+        default=None,
+        help="comma-separated DCP world sizes to run (default 1,2,4 on CPU; 1,2,4,8 on CUDA, capped by the GPU count)",
+    )
+    group.addoption(
+        "--dcp-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one multi-rank case may take before its ranks are declared stuck (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--dcp-startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        help=f"seconds a pool of ranks may take to start (default {DEFAULT_STARTUP_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where ranks run: auto = cuda when a GPU is visible, else cpu",
+    )
     group.addoption("--dcp-seed", type=int, default=0, help="base seed; each test adds a stable hash of its id")
 
 

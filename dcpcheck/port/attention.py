@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from .conventions import EMPTY_LSE
 from .combine import combine
+from .conventions import EMPTY_LSE
 
 LOG2_E = 1.0 / math.log(2.0)
 

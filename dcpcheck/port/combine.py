@@ -18,29 +18,26 @@ from __future__ import annotations
 
 import math
 
-from .triton_env import COMBINE_TILE_ELEMENTS
-
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from .conventions import EMPTY_LSE, EMPTY_LSE_BOUND
+from .triton_env import COMBINE_TILE_ELEMENTS
 
 COMBINE_BACKENDS = ("ag_rs", "a2a")
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base, empty_bound,
-                 WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+def _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base, empty_bound, WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
     """Per row: the max LSE over ranks with mass (the shift), the sum of their
     weights b^(lse_r - shift) (1 where no rank has mass, a safe divisor), and
     whether any rank has mass."""
     ranks = tl.arange(0, WORLD_P2).to(tl.int64)
     mask = (ranks[:, None] < WORLD) & row_ok[None, :]
-    lses = tl.load(lses_ptr + ranks[:, None] * num_rows + rows[None, :],
-                   mask=mask, other=float("-inf")).to(tl.float32)
+    lses = tl.load(lses_ptr + ranks[:, None] * num_rows + rows[None, :], mask=mask, other=float("-inf")).to(tl.float32)
     has_mass = lses > empty_bound
     row_max = tl.max(tl.where(has_mass, lses, float("-inf")), axis=0)
     any_mass = row_max > empty_bound
@@ -62,47 +59,62 @@ def _merged_lse(shift, total, any_mass, log2_base, empty_lse):
 
 @triton.jit
 def _rescale_local_kernel(
-    out_ptr, own_lse_ptr, lses_ptr, scaled_ptr, merged_lse_ptr,
-    num_tokens, num_heads, head_dim, log2_base, empty_bound, empty_lse,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,
+    own_lse_ptr,
+    lses_ptr,
+    scaled_ptr,
+    merged_lse_ptr,
+    num_tokens,
+    num_heads,
+    head_dim,
+    log2_base,
+    empty_bound,
+    empty_lse,
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """ag_rs: scaled[h, t] = out_local[t, h] * b^(lse_local - L) in fp32 (head-major,
     so the reduce-scatter over heads needs no transpose), and L for every [t, h]."""
     num_rows = num_tokens * num_heads
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
     row_ok = rows < num_rows
-    shift, total, any_mass = _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base,
-                                          empty_bound, WORLD, WORLD_P2)
-    tl.store(merged_lse_ptr + rows, _merged_lse(shift, total, any_mass, log2_base, empty_lse),
-             mask=row_ok)
+    shift, total, any_mass = _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base, empty_bound, WORLD, WORLD_P2)
+    tl.store(merged_lse_ptr + rows, _merged_lse(shift, total, any_mass, log2_base, empty_lse), mask=row_ok)
 
     own_lse = tl.load(own_lse_ptr + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
     weight = _rank_weight(own_lse, shift, total, log2_base, empty_bound)
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
     tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
-    partial = tl.load(out_ptr + rows[:, None] * head_dim + cols[None, :],
-                      mask=tile_ok, other=0.0).to(tl.float32)
+    partial = tl.load(out_ptr + rows[:, None] * head_dim + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     scaled = tl.where(weight[:, None] > 0, partial * weight[:, None], 0.0)
     head_major_rows = (rows % num_heads) * num_tokens + rows // num_heads
-    tl.store(scaled_ptr + head_major_rows[:, None] * head_dim + cols[None, :], scaled,
-             mask=tile_ok)
+    tl.store(scaled_ptr + head_major_rows[:, None] * head_dim + cols[None, :], scaled, mask=tile_ok)
 
 
 @triton.jit
 def _sum_received_kernel(
-    parts_ptr, lses_ptr, merged_ptr, merged_lse_ptr,
-    num_rows, head_dim, part_row_stride, log2_base, empty_bound, empty_lse,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    parts_ptr,
+    lses_ptr,
+    merged_ptr,
+    merged_lse_ptr,
+    num_rows,
+    head_dim,
+    part_row_stride,
+    log2_base,
+    empty_bound,
+    empty_lse,
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """a2a: merged = sum_r b^(lse_r - L) part_r over the W received slices."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
     row_ok = rows < num_rows
-    shift, total, any_mass = _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base,
-                                          empty_bound, WORLD, WORLD_P2)
-    tl.store(merged_lse_ptr + rows, _merged_lse(shift, total, any_mass, log2_base, empty_lse),
-             mask=row_ok)
+    shift, total, any_mass = _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base, empty_bound, WORLD, WORLD_P2)
+    tl.store(merged_lse_ptr + rows, _merged_lse(shift, total, any_mass, log2_base, empty_lse), mask=row_ok)
 
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
     tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
@@ -115,8 +127,7 @@ def _sum_received_kernel(
         part = tl.load(parts_ptr + part_offsets, mask=tile_ok, other=0.0).to(tl.float32)
         acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)
         rank_rows += num_rows
-    tl.store(merged_ptr + rows[:, None] * head_dim + cols[None, :],
-             acc.to(merged_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(merged_ptr + rows[:, None] * head_dim + cols[None, :], acc.to(merged_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def _launch_shape(num_rows: int, head_dim: int) -> tuple[tuple[int], int, int]:
@@ -126,24 +137,29 @@ def _launch_shape(num_rows: int, head_dim: int) -> tuple[tuple[int], int, int]:
     return (triton.cdiv(num_rows, block_rows),), block_rows, block_d
 
 
-def _check_inputs(out: torch.Tensor, lse: torch.Tensor, world: int, backend: str,
-                  lse_base: float) -> None:
+def _check_inputs(out: torch.Tensor, lse: torch.Tensor, world: int, backend: str, lse_base: float) -> None:
     if backend not in COMBINE_BACKENDS:
         raise ValueError(f"combine: unknown backend {backend!r}; accepted: {COMBINE_BACKENDS}")
     if not (lse_base > 0 and lse_base != 1):
-        raise ValueError(f"combine: lse_base={lse_base!r}; accepted: a positive base other "
-                         f"than 1 (2.0 for the port's kernels, math.e for base-e kernels)")
+        raise ValueError(
+            f"combine: lse_base={lse_base!r}; accepted: a positive base other "
+            f"than 1 (2.0 for the port's kernels, math.e for base-e kernels)"
+        )
     if out.dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"combine: partial output dtype {out.dtype} is not supported; "
-                         f"accepted: float32, float16, bfloat16 (with an fp32 LSE)")
+        raise ValueError(
+            f"combine: partial output dtype {out.dtype} is not supported; "
+            f"accepted: float32, float16, bfloat16 (with an fp32 LSE)"
+        )
     if out.dim() != 3 or tuple(lse.shape) != tuple(out.shape[:2]):
-        raise ValueError(f"combine: expected out [T, H, D] and lse [T, H], got out "
-                         f"{tuple(out.shape)} and lse {tuple(lse.shape)}")
+        raise ValueError(
+            f"combine: expected out [T, H, D] and lse [T, H], got out {tuple(out.shape)} and lse {tuple(lse.shape)}"
+        )
     num_heads = out.shape[1]
     if num_heads % world:
         raise ValueError(
             f"combine: H={num_heads} heads cannot be split over W={world} DCP ranks; "
-            f"accepted: H a multiple of W (here H in {{{world}, {2 * world}, {3 * world}, ...}})")
+            f"accepted: H a multiple of W (here H in {{{world}, {2 * world}, {3 * world}, ...}})"
+        )
 
 
 def _combine_ag_rs(out, lse, group, log2_base):
@@ -154,10 +170,21 @@ def _combine_ag_rs(out, lse, group, log2_base):
     merged_lse = torch.empty(lse.shape, dtype=torch.float32, device=out.device)
     grid, block_rows, block_d = _launch_shape(num_tokens * num_heads, head_dim)
     _rescale_local_kernel[grid](
-        out, lse, lses, scaled, merged_lse,
-        num_tokens, num_heads, head_dim, log2_base, EMPTY_LSE_BOUND, EMPTY_LSE,
-        WORLD=world, WORLD_P2=triton.next_power_of_2(world),
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+        out,
+        lse,
+        lses,
+        scaled,
+        merged_lse,
+        num_tokens,
+        num_heads,
+        head_dim,
+        log2_base,
+        EMPTY_LSE_BOUND,
+        EMPTY_LSE,
+        WORLD=world,
+        WORLD_P2=triton.next_power_of_2(world),
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
     )
     # fp32 on the wire so the sum rounds once to out.dtype, as the a2a kernel does.
     merged = group.reduce_scatter(scaled, dim=0).transpose(0, 1).to(out.dtype).contiguous()
@@ -186,10 +213,20 @@ def _combine_a2a(out, lse, group, log2_base):
     num_rows = num_tokens * heads_local
     grid, block_rows, block_d = _launch_shape(num_rows, head_dim)
     _sum_received_kernel[grid](
-        received, lses, merged, merged_lse,
-        num_rows, head_dim, row_width, log2_base, EMPTY_LSE_BOUND, EMPTY_LSE,
-        WORLD=world, WORLD_P2=triton.next_power_of_2(world),
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+        received,
+        lses,
+        merged,
+        merged_lse,
+        num_rows,
+        head_dim,
+        row_width,
+        log2_base,
+        EMPTY_LSE_BOUND,
+        EMPTY_LSE,
+        WORLD=world,
+        WORLD_P2=triton.next_power_of_2(world),
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
     )
     return merged, merged_lse
 

@@ -10,13 +10,12 @@ suite's oracle.
 
 from __future__ import annotations
 
-from .triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
-
 import torch
 import triton
 import triton.language as tl
 
 from .ownership import owner_and_local
+from .triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
 
 
 @triton.jit

@@ -121,8 +121,13 @@ class DcpAttentionLayer:
         comp_write_slots = gather_block_table = geometry = None
         if self.compressed:
             comp_write_slots = self.impl.slot_mapping(
-                torch.where(is_valid_token, positions, -1), token_to_req, block_table,
-                rho=self.rho, bs=self.bs, world_size=self.world_size, rank=self.group.rank_in_group,
+                torch.where(is_valid_token, positions, -1),
+                token_to_req,
+                block_table,
+                rho=self.rho,
+                bs=self.bs,
+                world_size=self.world_size,
+                rank=self.group.rank_in_group,
                 interleave=self.interleave,
             )
         if gather_rows.numel():
@@ -194,12 +199,26 @@ class DcpAttentionLayer:
         in sub-chunks (which bound the gathered q and the partials)."""
         rows = plan.stage3_rows
         comp_slots, _ = self.impl.filter_index(
-            topk[rows], plan.token_to_req[rows], plan.block_table, plan.is_valid_token[rows],
-            bs=self.bs, world_size=self.world_size, rank=self.group.rank_in_group, interleave=self.interleave,
+            topk[rows],
+            plan.token_to_req[rows],
+            plan.block_table,
+            plan.is_valid_token[rows],
+            bs=self.bs,
+            world_size=self.world_size,
+            rank=self.group.rank_in_group,
+            interleave=self.interleave,
         )
         return self.impl.dcp_attention(
-            q[rows], sink, comp_cache, comp_slots, swa_cache, plan.swa_slots[rows], self.group,
-            scale=scale, backend=self.backend, token_chunk=self.prefill_token_chunk,
+            q[rows],
+            sink,
+            comp_cache,
+            comp_slots,
+            swa_cache,
+            plan.swa_slots[rows],
+            self.group,
+            scale=scale,
+            backend=self.backend,
+            token_chunk=self.prefill_token_chunk,
         )
 
     def _gathered_prefill(self, plan, q, sink, swa_cache, comp_cache, topk, scale):
@@ -208,8 +227,13 @@ class DcpAttentionLayer:
         rows = plan.gather_rows
         gathered = self.impl.prefill_gather(comp_cache, plan.gather_block_table, plan.geometry, self.group, bs=self.bs)
         slots, _ = self.impl.prefill_remap(
-            topk[rows], plan.gather_row_request, plan.is_valid_token[rows], plan.geometry,
-            bs=self.bs, world_size=self.world_size, interleave=self.interleave,
+            topk[rows],
+            plan.gather_row_request,
+            plan.is_valid_token[rows],
+            plan.geometry,
+            bs=self.bs,
+            world_size=self.world_size,
+            interleave=self.interleave,
         )
         out, _ = self.impl.sparse_attention(
             q[rows], gathered, slots, swa_cache, plan.swa_slots[rows], sink, scale=scale

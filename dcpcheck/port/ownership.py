@@ -7,10 +7,10 @@ suite's oracle: the port and its reference must not share it.
 
 from __future__ import annotations
 
-from . import triton_env  # noqa: F401  (first: sets TRITON_INTERPRET before triton loads)
-
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter requires it in a jit function's module)
+
+from . import triton_env  # noqa: F401  (first: sets TRITON_INTERPRET before triton loads)
 
 
 @triton.jit

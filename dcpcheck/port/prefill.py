@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
-
 import torch
 import triton
 import triton.language as tl
 
 from .ownership import owner_and_local
+from .triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
 
 # Most prefill tokens one stage-3 sub-chunk carries (the non-gather path).
 DCP_PREFILL_TOKEN_CHUNK = 2048
@@ -49,7 +48,9 @@ def prefill_geometry(seq_lens: torch.Tensor, *, rho: int, bs: int, world_size: i
     return PrefillGeometry(pages=pages, bases=bases, total_pages=world_size * int(pages.sum()))
 
 
-def _local_pages(comp_cache: torch.Tensor, block_table: torch.Tensor, geometry: PrefillGeometry, bs: int) -> torch.Tensor:
+def _local_pages(
+    comp_cache: torch.Tensor, block_table: torch.Tensor, geometry: PrefillGeometry, bs: int
+) -> torch.Tensor:
     """This rank's first ``pages_i`` pages of every request, request after
     request: [sum_i pages_i, bs, D]. Columns past the row's end (a request this
     rank holds fewer pages of) send zeros: no id maps there."""

@@ -82,7 +82,9 @@ class RankPool:
     def _worker_env(self) -> dict:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         env["PYTHONUNBUFFERED"] = "1"
         if self.device == "cpu":
             env["TRITON_INTERPRET"] = "1"

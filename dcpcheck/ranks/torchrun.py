@@ -118,7 +118,9 @@ class InProcessRanks:
             f"[rank {self.rank}] DistBackendError: Timed out after {timeout:g} s (typically waiting in a "
             f"collective a peer never joined); the DCP group's NCCL communicator was aborted"
         )
-        return RankOutcome(self.rank, False, error + ("\n" + outcome.error if outcome.error else ""), None, outcome.seconds)
+        return RankOutcome(
+            self.rank, False, error + ("\n" + outcome.error if outcome.error else ""), None, outcome.seconds
+        )
 
     def stop(self) -> None:
         if dist.is_initialized():

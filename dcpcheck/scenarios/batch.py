@@ -190,7 +190,9 @@ class _BatchBuilder:
         """Uniform in [0, high), 0 when high <= 0."""
         return int(torch.randint(high, (1,), generator=self.generator)) if high > 0 else 0
 
-    def add_request(self, *, states: int | None = None, tokens: int | None = None, extra_tokens: int | None = None) -> int:
+    def add_request(
+        self, *, states: int | None = None, tokens: int | None = None, extra_tokens: int | None = None
+    ) -> int:
         """A request of ``tokens`` tokens, or of ``states`` states plus
         ``extra_tokens`` (random in [0, rho) by default) toward the next one."""
         if tokens is None:

@@ -76,7 +76,13 @@ class LayerTensors:
     """Every request's data for one layer of the stack."""
 
     def __init__(
-        self, spec: LayerSpec, requests: list[RequestSpec], *, num_heads: int, head_dim: int, seed: int,
+        self,
+        spec: LayerSpec,
+        requests: list[RequestSpec],
+        *,
+        num_heads: int,
+        head_dim: int,
+        seed: int,
         rounded_to: torch.dtype | None = None,
     ):
         """``rounded_to``: the dtype the layer under test computes in; q, the
@@ -97,7 +103,9 @@ class LayerTensors:
             if spec.compressed:
                 self.states[request.uid] = rounded(compress_states(self.latent[request.uid], spec.rho))
                 if spec.rho == 128 and request.final_len // spec.rho > spec.top_k:
-                    raise ValueError(f"C128A reads every state: top_k={spec.top_k} < {request.final_len // spec.rho} states")
+                    raise ValueError(
+                        f"C128A reads every state: top_k={spec.top_k} < {request.final_len // spec.rho} states"
+                    )
 
     def step_inputs(self, rows: StepRows) -> LayerStepInputs:
         valid = rows.is_valid_token
@@ -109,7 +117,9 @@ class LayerTensors:
         if self.spec.compressed:
             rho = self.spec.rho
             completed = [self.states[uid][p // rho] if (p + 1) % rho == 0 else None for uid, p in zip(uids, positions)]
-            states = torch.stack([row if row is not None else torch.full_like(latent[0], float("nan")) for row in completed])
+            states = torch.stack(
+                [row if row is not None else torch.full_like(latent[0], float("nan")) for row in completed]
+            )
             topk = indexer_topk(rows.positions, rows.row_uids, rho=rho, top_k=self.spec.top_k, seed=self.seed)
             topk[~valid] = topk[0].clone()  # padding rows carry real-looking ids
         return LayerStepInputs(q=q, sink=self.sink, kv=latent, states=states, topk=topk)

@@ -48,7 +48,9 @@ class ShapeProfile:
 
     def prefill_batch(self, rho: int, world_size: int, seed: int) -> StepBatch:
         """One prefill step whose long request prefills ``prefill_chunk`` rows."""
-        return build_prefill_batch(self.layout(rho, world_size), top_k=self.top_k, seed=seed, long_chunk=self.prefill_chunk)
+        return build_prefill_batch(
+            self.layout(rho, world_size), top_k=self.top_k, seed=seed, long_chunk=self.prefill_chunk
+        )
 
 
 SMALL = ShapeProfile(

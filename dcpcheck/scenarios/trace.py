@@ -48,7 +48,8 @@ def build_prefill_batch(
     lengths = {
         "shorter than a page": (1 + rand(layout.bs - 1)) * rho + rand(rho),
         "no state yet": rho - 1,
-        "many virtual blocks": (3 * virtual_block + rand(virtual_block) + (long_chunk + rho - 1) // rho) * rho + rand(rho),
+        "many virtual blocks": (3 * virtual_block + rand(virtual_block) + (long_chunk + rho - 1) // rho) * rho
+        + rand(rho),
         "first chunk": 2 * rho + 1 + rand(rho),
         "one virtual block": (virtual_block + 1 + rand(virtual_block)) * rho + rand(rho),
     }

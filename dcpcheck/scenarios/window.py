@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def window_rows(positions: torch.Tensor, is_valid_token: torch.Tensor, bases: torch.Tensor, window: int) -> torch.Tensor:
+def window_rows(
+    positions: torch.Tensor, is_valid_token: torch.Tensor, bases: torch.Tensor, window: int
+) -> torch.Tensor:
     """Rows read by each row of a step whose request's token ``p`` sits at row
     ``bases[t] + p``: the row's last ``min(p + 1, window)`` tokens ->
     [T, window] int64, -1 = none (and every entry of a padding row)."""

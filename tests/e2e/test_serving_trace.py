@@ -26,15 +26,15 @@ from dcpcheck.checks.collectives import CountingGroup
 from dcpcheck.checks.stack import RankStack
 from dcpcheck.compare import MismatchError, assert_close, coarser_dtype
 from dcpcheck.impls.conventions import conventions_of
-from dcpcheck.oracle.prefill import gather_geometry
 from dcpcheck.oracle import attention as oracle
+from dcpcheck.oracle.prefill import gather_geometry
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.layers import LayerSpec, LayerTensors
 from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows
 from dcpcheck.spies import spy_on_capability
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
-pytestmark = pytest.mark.needs("build_attention")
+pytestmark = [pytest.mark.needs("build_attention"), pytest.mark.scenario("multi_token_interleave")]
 
 NUM_HEADS = 8
 HEAD_DIM = 64
@@ -63,7 +63,11 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
     steps = schedule_trace(REQUESTS, token_budget=TOKEN_BUDGET, pad_to=PAD_TO)
     tensors = [
         LayerTensors(
-            spec, REQUESTS, num_heads=num_heads, head_dim=HEAD_DIM, seed=ctx.seed + 7919 * index,
+            spec,
+            REQUESTS,
+            num_heads=num_heads,
+            head_dim=HEAD_DIM,
+            seed=ctx.seed + 7919 * index,
             rounded_to=declared.layer_dtype,
         )
         for index, spec in enumerate(layers)
@@ -73,8 +77,12 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
     tolerance_dtype = coarser_dtype(torch.float32, declared.layer_dtype)
     stack_args = dict(head_dim=HEAD_DIM, window=WINDOW, heads=heads, seed=ctx.seed)
     group = CountingGroup(ctx.group)
-    dcp_stack = RankStack(ctx.impl, group, layers, REQUESTS, **stack_args, backend=backend, prefill_gather=prefill_gather)
-    dcp1_stack = RankStack(ctx.impl, DcpGroup.single_rank(ctx.device), layers, REQUESTS, **stack_args, prefill_gather=False)
+    dcp_stack = RankStack(
+        ctx.impl, group, layers, REQUESTS, **stack_args, backend=backend, prefill_gather=prefill_gather
+    )
+    dcp1_stack = RankStack(
+        ctx.impl, DcpGroup.single_rank(ctx.device), layers, REQUESTS, **stack_args, prefill_gather=False
+    )
     path = "gather" if prefill_gather else "stage 3 sub-chunks"
     worst: dict[str, float] = {}
 
@@ -94,12 +102,22 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
             for index, (spec, data, layer_inputs) in enumerate(zip(layers, tensors, inputs)):
                 comp_cache, comp_slots, swa_cache, swa_slots = data.dense_candidates(rows, layer_inputs, WINDOW)
                 want, _ = oracle.sparse_attention(
-                    layer_inputs.q[:, heads], comp_cache, comp_slots, swa_cache, swa_slots, layer_inputs.sink[heads],
+                    layer_inputs.q[:, heads],
+                    comp_cache,
+                    comp_slots,
+                    swa_cache,
+                    swa_slots,
+                    layer_inputs.sink[heads],
                     scale=HEAD_DIM**-0.5,
                 )
                 context = {
-                    "stage": "e2e", "W": ctx.world_size, "rank": ctx.rank, "backend": backend, "prefill": path,
-                    "step": step_index, "layer": f"{index} (rho {spec.rho})",
+                    "stage": "e2e",
+                    "W": ctx.world_size,
+                    "rank": ctx.rank,
+                    "backend": backend,
+                    "prefill": path,
+                    "step": step_index,
+                    "layer": f"{index} (rho {spec.rho})",
                 }
                 for what, actual, expected in (
                     ("DCP-W vs float64 oracle", dcp_out[index], want),
@@ -186,8 +204,11 @@ INTERLEAVED_KV_GROUPS = (
 
 @pytest.mark.stage(STAGE_PREFILL)
 @pytest.mark.parametrize(
-    "order", [pytest.param(ADJACENT_INDEX_SOURCES, id="adjacent_index_sources"),
-              pytest.param(INTERLEAVED_KV_GROUPS, id="interleaved_kv_groups")],
+    "order",
+    [
+        pytest.param(ADJACENT_INDEX_SOURCES, id="adjacent_index_sources"),
+        pytest.param(INTERLEAVED_KV_GROUPS, id="interleaved_kv_groups"),
+    ],
 )
 def test_layer_order_within_a_step(dcp, order):
     dcp.run(check_serving_trace, backend="a2a", prefill_gather=True, layers=order)

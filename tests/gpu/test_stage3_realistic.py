@@ -49,11 +49,18 @@ class DecodeScenario:
 
 
 @functools.lru_cache(maxsize=1)  # the backends of one rho share it: built once per rank process
-def decode_scenario(profile: str, rho: int, world_size: int, rank: int, seed: int, device: torch.device) -> DecodeScenario:
+def decode_scenario(
+    profile: str, rho: int, world_size: int, rank: int, seed: int, device: torch.device
+) -> DecodeScenario:
     shapes = PROFILES[profile]
     batch = shapes.decode_batch(rho, world_size, seed)
     inputs = build_attention_inputs(
-        batch, num_heads=shapes.num_heads, head_dim=shapes.head_dim, window=shapes.window, dtype=shapes.dtype, seed=seed + 1
+        batch,
+        num_heads=shapes.num_heads,
+        head_dim=shapes.head_dim,
+        window=shapes.window,
+        dtype=shapes.dtype,
+        seed=seed + 1,
     )
     heads_local = shapes.num_heads // world_size
     heads = slice(rank * heads_local, (rank + 1) * heads_local)
@@ -61,8 +68,14 @@ def decode_scenario(profile: str, rho: int, world_size: int, rank: int, seed: in
     dcp1_cache = comp_cache_for(batch, inputs, dcp1_table, rank=0, world_size=1)
     rows = spot_rows(batch, ORACLE_STRIDE)
     oracle_out, _ = oracle_spot_check(
-        inputs.q[:, heads], dcp1_cache, stage1_slots(batch, dcp1_table, world_size=1, rank=0),
-        inputs.swa_cache, inputs.swa_slots, inputs.sink[heads], scale=inputs.scale, rows=rows,
+        inputs.q[:, heads],
+        dcp1_cache,
+        stage1_slots(batch, dcp1_table, world_size=1, rank=0),
+        inputs.swa_cache,
+        inputs.swa_slots,
+        inputs.sink[heads],
+        scale=inputs.scale,
+        rows=rows,
     )
     return DecodeScenario(
         batch, inputs, heads, table,
@@ -81,13 +94,26 @@ def check_realistic_decode(ctx, *, profile, rho, backend, scenario_seed):
 
     slots, _ = filter_on_rank(impl, batch, scenario.table, device, world_size=W, rank=rank)
     out = impl.dcp_attention(
-        inputs.q[:, heads].to(device), inputs.sink[heads].to(device), scenario.comp_cache, slots.to(device),
-        scenario.swa_cache, scenario.swa_slots, ctx.group, scale=inputs.scale, backend=backend,
+        inputs.q[:, heads].to(device),
+        inputs.sink[heads].to(device),
+        scenario.comp_cache,
+        slots.to(device),
+        scenario.swa_cache,
+        scenario.swa_slots,
+        ctx.group,
+        scale=inputs.scale,
+        backend=backend,
     ).cpu()
     dcp1_slots, _ = filter_on_rank(impl, batch, scenario.dcp1_table, device, world_size=1, rank=0)
     dcp1 = impl.dcp_attention(
-        inputs.q.to(device), inputs.sink.to(device), scenario.dcp1_cache, dcp1_slots.to(device),
-        scenario.swa_cache, scenario.swa_slots, DcpGroup.single_rank(device), scale=inputs.scale,
+        inputs.q.to(device),
+        inputs.sink.to(device),
+        scenario.dcp1_cache,
+        dcp1_slots.to(device),
+        scenario.swa_cache,
+        scenario.swa_slots,
+        DcpGroup.single_rank(device),
+        scale=inputs.scale,
     )[:, heads].cpu()
 
     rows = scenario.spot_rows.tolist()

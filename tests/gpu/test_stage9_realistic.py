@@ -39,11 +39,18 @@ class PrefillScenario:
 
 
 @functools.lru_cache(maxsize=1)  # the paths of one rho share it: built once per rank process
-def prefill_scenario(profile: str, rho: int, world_size: int, rank: int, seed: int, device: torch.device) -> PrefillScenario:
+def prefill_scenario(
+    profile: str, rho: int, world_size: int, rank: int, seed: int, device: torch.device
+) -> PrefillScenario:
     shapes = PROFILES[profile]
     batch = shapes.prefill_batch(rho, world_size, seed)
     inputs = build_attention_inputs(
-        batch, num_heads=shapes.num_heads, head_dim=shapes.head_dim, window=shapes.window, dtype=shapes.dtype, seed=seed + 1
+        batch,
+        num_heads=shapes.num_heads,
+        head_dim=shapes.head_dim,
+        window=shapes.window,
+        dtype=shapes.dtype,
+        seed=seed + 1,
     )
     heads_local = shapes.num_heads // world_size
     heads = slice(rank * heads_local, (rank + 1) * heads_local)
@@ -55,8 +62,14 @@ def prefill_scenario(profile: str, rho: int, world_size: int, rank: int, seed: i
     rows = spot_rows(batch, ORACLE_STRIDE)
     dense_slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
     oracle_out, _ = oracle_spot_check(
-        inputs.q[:, heads], inputs.states, dense_slots, inputs.swa_cache, inputs.swa_slots, inputs.sink[heads],
-        scale=inputs.scale, rows=rows,
+        inputs.q[:, heads],
+        inputs.states,
+        dense_slots,
+        inputs.swa_cache,
+        inputs.swa_slots,
+        inputs.sink[heads],
+        scale=inputs.scale,
+        rows=rows,
     )
     return PrefillScenario(step, rows, oracle_out)
 

@@ -12,7 +12,7 @@ from tests.selftest.inner import run_inner_pytest, start_inner_pytest, write_ses
 
 pytestmark = pytest.mark.spawned_only
 
-STAGED_TESTS = '''
+STAGED_TESTS = """
 import pytest
 
 @pytest.mark.stage(1)
@@ -26,7 +26,7 @@ def test_stage_three():
 @pytest.mark.needs("no_such_capability")
 def test_needs_missing_capability():
     pass
-'''
+"""
 
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "2.5", "three"])
@@ -77,7 +77,9 @@ def test_unset_stage_runs_every_stage(tmp_path):
 
 
 def test_user_implementation_from_a_file_lacking_capabilities_skips(tmp_path):
-    impl = "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
+    impl = (
+        "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
+    )
     tests = '@__import__("pytest").mark.needs("combine")\ndef test_combine():\n    pass\n'
     write_session(tmp_path, {"my_impl.py": impl, "test_mine.py": tests})
     code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "my_impl.py:Partial"])
@@ -85,7 +87,7 @@ def test_user_implementation_from_a_file_lacking_capabilities_skips(tmp_path):
     assert "implementation 'my_impl.py:Partial' lacks capability combine" in output
 
 
-HANGING_TEST = '''
+HANGING_TEST = """
 import time
 
 def sleep_forever(ctx):
@@ -93,7 +95,7 @@ def sleep_forever(ctx):
 
 def test_hangs(dcp):
     dcp.run(sleep_forever)
-'''
+"""
 
 
 def _pool_processes(parent_pid: int) -> list[str]:
@@ -133,7 +135,7 @@ def test_no_worker_outlives_a_finished_session(tmp_path):
     assert _pool_processes(proc.pid) == []
 
 
-KNOWN_DEFECT_IMPL = '''
+KNOWN_DEFECT_IMPL = """
 import math
 
 import torch
@@ -156,9 +158,9 @@ class WithKnownDefect:
         if "short_table" in terms.properties:
             return "was broken before release 2"
         return None
-'''
+"""
 
-KNOWN_DEFECT_TESTS = '''
+KNOWN_DEFECT_TESTS = """
 import pytest
 
 pytestmark = pytest.mark.world_sizes(2)
@@ -185,12 +187,14 @@ def test_unavailable_case(dcp):
 
 def test_available_case(dcp):
     dcp.run(passes, lse_base="2", dtype_name="bf16", head_dim=72)
-'''
+"""
 
 
 def test_known_defects_are_expected_failures_that_still_run(tmp_path):
     write_session(tmp_path, {"defective.py": KNOWN_DEFECT_IMPL, "test_defect.py": KNOWN_DEFECT_TESTS})
-    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rsxX"])
+    code, output = run_inner_pytest(
+        tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rsxX"]
+    )
     assert code == 0, output
     assert "2 passed" in output and "1 skipped" in output, output
     assert "1 xfailed" in output and "1 xpassed" in output, output

@@ -11,7 +11,7 @@ from tests.selftest.inner import inner_env, write_session
 
 pytestmark = pytest.mark.spawned_only
 
-TORCHRUN_TESTS = '''
+TORCHRUN_TESTS = """
 import pytest
 from tests.selftest.rank_functions import raise_on_rank, sum_of_ranks
 
@@ -24,7 +24,7 @@ def test_rank_one_fails(dcp, before_collective):
 
 def test_passes_after_failures(dcp):
     dcp.run(sum_of_ranks)
-'''
+"""
 
 
 def test_torchrun_ranks_agree_and_only_rank_zero_reports(tmp_path):

@@ -83,8 +83,10 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim):
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
     merged, merged_lse = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
     if merged.dtype != dtype or merged_lse.dtype != torch.float32:
-        raise MismatchError(f"combine returned {merged.dtype} out / {merged_lse.dtype} lse, "
-                            f"expected {dtype} / torch.float32 ({context})")
+        raise MismatchError(
+            f"combine returned {merged.dtype} out / {merged_lse.dtype} lse, "
+            f"expected {dtype} / torch.float32 ({context})"
+        )
     stats = assert_close(merged, want_out[:, heads], what="combined output vs oracle merge", **report)
     assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE vs oracle merge", **report)
 

@@ -42,8 +42,12 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_di
     heads = own_heads(ctx, NUM_HEADS)
     report = {"context": context, "offsets": (0, heads.start, 0)}
     merged, merged_lse = ctx.impl.combine(
-        outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device), ctx.group,
-        backend=backend, lse_base=base, return_lse=True,
+        outs[ctx.rank].to(ctx.device),
+        lses[ctx.rank].to(ctx.device),
+        ctx.group,
+        backend=backend,
+        lse_base=base,
+        return_lse=True,
     )
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
     what = "garbage under the sentinel, vs oracle merge"

@@ -69,18 +69,22 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     sink = impl.gather_heads(sink_local, ctx.group, dim=0)
     for name, got, want in (("q", q, inputs.q), ("sinks", sink, inputs.sink)):
         if got.shape != want.shape or not torch.equal(got.cpu(), want):
-            raise MismatchError(f"gather_heads of {name}: {tuple(got.shape)} is not the TP-order "
-                                f"concatenation {tuple(want.shape)} of every rank's heads ({context})")
+            raise MismatchError(
+                f"gather_heads of {name}: {tuple(got.shape)} is not the TP-order "
+                f"concatenation {tuple(want.shape)} of every rank's heads ({context})"
+            )
 
     # 2. The partial covers exactly this rank's candidates; window and sink on rank 0 only.
-    out, lse = impl.partial_attention(
-        q, comp_cache, slots, swa_cache, swa_slots, sink, scale=inputs.scale, rank=rank
-    )
+    out, lse = impl.partial_attention(q, comp_cache, slots, swa_cache, swa_slots, sink, scale=inputs.scale, rank=rank)
     on_rank0 = rank == 0
     want_out, want_lse = oracle.sparse_attention(
-        inputs.q, comp_cache, slots,
-        inputs.swa_cache if on_rank0 else None, inputs.swa_slots if on_rank0 else None,
-        inputs.sink if on_rank0 else None, scale=inputs.scale,
+        inputs.q,
+        comp_cache,
+        slots,
+        inputs.swa_cache if on_rank0 else None,
+        inputs.swa_slots if on_rank0 else None,
+        inputs.sink if on_rank0 else None,
+        scale=inputs.scale,
     )
     check(out, want_out, "partial output vs oracle over this rank's candidates", all_heads=True)
     check(lse, want_lse, "partial LSE (base 2) vs oracle", lse=True, all_heads=True)
@@ -90,8 +94,14 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     dcp1_cache = comp_cache_for(batch, inputs, dcp1_table, rank=0, world_size=1)
     dcp1_slots = stage1_slots(batch, dcp1_table, world_size=1, rank=0)
     dcp1_out, dcp1_lse = oracle.sparse_attention(
-        inputs.q, dcp1_cache, dcp1_slots, inputs.swa_cache, inputs.swa_slots, inputs.sink,
-        scale=inputs.scale, lse_base=base,
+        inputs.q,
+        dcp1_cache,
+        dcp1_slots,
+        inputs.swa_cache,
+        inputs.swa_slots,
+        inputs.sink,
+        scale=inputs.scale,
+        lse_base=base,
     )
     partial_lse = oracle.convert_lse_base(lse, from_base=2.0, to_base=base).float().to(device)
     merged, merged_lse = impl.combine(out, partial_lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
@@ -105,16 +115,30 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     # 4. The implementation's own DCP1 path (W = 1: every candidate, window and sink here).
     single_rank = DcpGroup.single_rank(device)
     port_dcp1 = impl.dcp_attention(
-        inputs.q.to(device), inputs.sink.to(device), dcp1_cache.to(device), dcp1_slots.to(device),
-        swa_cache, swa_slots, single_rank, scale=inputs.scale,
+        inputs.q.to(device),
+        inputs.sink.to(device),
+        dcp1_cache.to(device),
+        dcp1_slots.to(device),
+        swa_cache,
+        swa_slots,
+        single_rank,
+        scale=inputs.scale,
     )
     check(merged, port_dcp1[:, heads], "combined output vs the implementation's W=1 path")
 
     # 5. The whole path, unchunked and in sub-chunks, equals the steps above.
     for token_chunk in (None, TOKEN_CHUNK):
         whole = impl.dcp_attention(
-            q_local, sink_local, comp_cache, slots, swa_cache, swa_slots, ctx.group,
-            scale=inputs.scale, backend=backend, token_chunk=token_chunk,
+            q_local,
+            sink_local,
+            comp_cache,
+            slots,
+            swa_cache,
+            swa_slots,
+            ctx.group,
+            scale=inputs.scale,
+            backend=backend,
+            token_chunk=token_chunk,
         )
         check(whole, merged, f"dcp_attention(token_chunk={token_chunk}) vs gather + partial + combine")
     return {"worst_ratio": max(worst.values()), "worst_check": max(worst, key=worst.get)}
@@ -132,5 +156,9 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
 def test_sharded_attention_matches_dcp1(dcp, backend, lse_base, dtype_name, interleave, bs):
     dcp.run(
         check_sharded_attention,
-        backend=backend, lse_base=lse_base, dtype_name=dtype_name, interleave=interleave, bs=bs,
+        backend=backend,
+        lse_base=lse_base,
+        dtype_name=dtype_name,
+        interleave=interleave,
+        bs=bs,
     )

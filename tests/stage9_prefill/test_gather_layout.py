@@ -34,7 +34,9 @@ def check_geometry(ctx, step, geometry, expected) -> None:
     batch = step.batch
     for field in ("pages", "bases"):
         assert_equal_ints(
-            getattr(geometry, field).cpu(), getattr(expected, field), case=step.case,
+            getattr(geometry, field).cpu(),
+            getattr(expected, field),
+            case=step.case,
             what=f"prefill geometry {field} vs the oracle (lengths {batch.seq_lens.tolist()})",
             name_index=request_name,
         )
@@ -46,12 +48,22 @@ def check_remap(ctx, step, geometry, expected) -> None:
     batch, layout = step.batch, step.batch.layout
     device = ctx.device
     slots, counts = ctx.impl.prefill_remap(
-        batch.topk.to(device), batch.token_to_req.to(device), batch.is_valid_token.to(device), geometry,
-        bs=layout.bs, world_size=ctx.world_size, interleave=layout.interleave,
+        batch.topk.to(device),
+        batch.token_to_req.to(device),
+        batch.is_valid_token.to(device),
+        geometry,
+        bs=layout.bs,
+        world_size=ctx.world_size,
+        interleave=layout.interleave,
     )
     expected_slots, expected_counts = remap_reference(
-        batch.topk, batch.token_to_req, batch.is_valid_token, expected,
-        bs=layout.bs, S=layout.interleave, W=ctx.world_size,
+        batch.topk,
+        batch.token_to_req,
+        batch.is_valid_token,
+        expected,
+        bs=layout.bs,
+        S=layout.interleave,
+        W=ctx.world_size,
     )
     for name, tensor in (("slots", slots), ("counts", counts)):
         if tensor.dtype != torch.int32:
@@ -59,13 +71,25 @@ def check_remap(ctx, step, geometry, expected) -> None:
     requests, positions, topk = batch.token_to_req.tolist(), batch.positions.tolist(), batch.topk.tolist()
 
     def name_entry(t: int, k: int) -> str:
-        return (f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]}, position {positions[t]}), "
-                f"id {topk[t][k]} (column {k}) slot")
+        return (
+            f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]}, position {positions[t]}), "
+            f"id {topk[t][k]} (column {k}) slot"
+        )
 
-    assert_equal_ints(slots.cpu(), expected_slots, case=step.case,
-                      what="gathered-buffer slot of each top-k id vs the oracle", name_index=name_entry)
-    assert_equal_ints(counts.cpu(), expected_counts, case=step.case, what="remap counts (valid ids)",
-                      name_index=lambda t: f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]})")
+    assert_equal_ints(
+        slots.cpu(),
+        expected_slots,
+        case=step.case,
+        what="gathered-buffer slot of each top-k id vs the oracle",
+        name_index=name_entry,
+    )
+    assert_equal_ints(
+        counts.cpu(),
+        expected_counts,
+        case=step.case,
+        what="remap counts (valid ids)",
+        name_index=lambda t: f"{request_name(requests[t])}, token row {t} ({batch.row_roles[t]})",
+    )
 
 
 def check_buffer(ctx, step, geometry, expected) -> None:
@@ -81,8 +105,7 @@ def check_buffer(ctx, step, geometry, expected) -> None:
     slot = gathered_slot(c, req, expected, bs=layout.bs, S=layout.interleave, W=ctx.world_size)
     wrong = (~(buffer[slot] == inputs.states).all(dim=1)).nonzero().flatten().tolist()
     problems = [
-        f"{request_name(int(req[i]))} state {int(c[i])}: buffer slot {int(slot[i])} does not hold it"
-        for i in wrong[:8]
+        f"{request_name(int(req[i]))} state {int(c[i])}: buffer slot {int(slot[i])} does not hold it" for i in wrong[:8]
     ]
     fail_if_problems(step.case, "gathered buffer contents vs every rank's states", problems, total=len(wrong))
 

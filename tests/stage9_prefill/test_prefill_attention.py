@@ -33,8 +33,12 @@ def check_against_dcp1(ctx, step, out, what: str) -> dict:
     port_out = port_dcp1(ctx, step)
     kwargs = {"context": step.context, "row_labels": step.row_labels}
     return {
-        f"{what} vs float64 DCP1": assert_close(out, oracle_out, what=f"{what} vs float64 DCP1 oracle", **kwargs).worst_ratio,
-        f"{what} vs W=1": assert_close(out, port_out, what=f"{what} vs the implementation's W=1 path", **kwargs).worst_ratio,
+        f"{what} vs float64 DCP1": assert_close(
+            out, oracle_out, what=f"{what} vs float64 DCP1 oracle", **kwargs
+        ).worst_ratio,
+        f"{what} vs W=1": assert_close(
+            out, port_out, what=f"{what} vs the implementation's W=1 path", **kwargs
+        ).worst_ratio,
     }
 
 
@@ -78,8 +82,9 @@ def run_counting_q_gathers(ctx, layer, step, *, bound: int):
         out = run_layer(layer, step, ctx.device)
     largest = largest_q_gather(collectives, step.heads.stop - step.heads.start)
     if largest > bound:
-        raise MismatchError(f"{step.case}: an all-gathered q block holds {largest} tokens, "
-                            f"more than the sub-chunk of {bound}")
+        raise MismatchError(
+            f"{step.case}: an all-gathered q block holds {largest} tokens, more than the sub-chunk of {bound}"
+        )
     return out, largest
 
 
@@ -98,8 +103,11 @@ def check_sub_chunks(ctx, step, chunk: int | None, backend: str) -> dict:
     out, largest = run_counting_q_gathers(ctx, chunked, step, bound=bound)
     whole = run_layer(unsplit, step, ctx.device)
     what = f"prefill in sub-chunks of {bound}"
-    worst = {"chunked vs unsplit": assert_close(out, whole, what=f"{what} vs unsplit", context=step.context,
-                                                row_labels=step.row_labels).worst_ratio}
+    worst = {
+        "chunked vs unsplit": assert_close(
+            out, whole, what=f"{what} vs unsplit", context=step.context, row_labels=step.row_labels
+        ).worst_ratio
+    }
     worst.update(check_against_dcp1(ctx, step, out, what))
     return {"largest_q_gather": largest, **worst}
 
@@ -115,7 +123,9 @@ def test_small_sub_chunks_match_unsplit_and_dcp1(dcp, backend):
 
 
 def check_default_chunks(ctx):
-    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, long_chunk=DESIGN_PREFILL_TOKEN_CHUNK + 57, sub_chunk="default")
+    step = prefill_step(
+        ctx, rho=4, S=2, bs=4, top_k=16, long_chunk=DESIGN_PREFILL_TOKEN_CHUNK + 57, sub_chunk="default"
+    )
     return check_sub_chunks(ctx, step, None, "ag_rs")
 
 
@@ -139,8 +149,13 @@ def check_gather_switch(ctx):
                 f"{step.case}: {PREFILL_GATHER_ENV}={value}: prefill_gather called {len(gathers)} times; "
                 f"expected {'the gathered path' if gathers_expected else 'no gather'}"
             )
-    assert_close(outputs["1"], outputs["0"], what=f"{PREFILL_GATHER_ENV}=1 vs 0", context=step.context,
-                 row_labels=step.row_labels)
+    assert_close(
+        outputs["1"],
+        outputs["0"],
+        what=f"{PREFILL_GATHER_ENV}=1 vs 0",
+        context=step.context,
+        row_labels=step.row_labels,
+    )
 
 
 @pytest.mark.world_sizes(2)

@@ -55,9 +55,7 @@ class Dsv41Implementation:
     def __init__(self, spec: str = "dsv41"):
         from dcpcheck.impls.vllm_adapter import VllmImplementation
 
-        self.vllm = (
-            VllmImplementation()
-        )  # sets up triton for vLLM on CPU; the tree's own functions
+        self.vllm = VllmImplementation()  # sets up triton for vLLM on CPU; the tree's own functions
         self.tree = PortTree(PortSpec.parse(spec))
         self.kernel = self.tree.kernel
         self._filter_layers: dict[tuple, object] = {}
@@ -124,9 +122,7 @@ class Dsv41Implementation:
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                 max_model_len=DEFAULT_MAX_MODEL_LEN,
             )
-            layer, _ = build_port_layer(
-                self.tree, group, spec, backend="a2a", prefill_token_chunk=None
-            )
+            layer, _ = build_port_layer(self.tree, group, spec, backend="a2a", prefill_token_chunk=None)
             self._filter_layers[key] = layer
         return layer
 
@@ -154,12 +150,8 @@ class Dsv41Implementation:
         )
 
     # ---- stage 3 -----------------------------------------------------------
-    def combine(
-        self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False
-    ):
-        return self.vllm.combine(
-            out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse
-        )
+    def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
+        return self.vllm.combine(out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse)
 
     def build_attention(
         self,
@@ -174,6 +166,18 @@ class Dsv41Implementation:
     ):
         if options:
             raise TypeError(f"build_attention: unknown options {sorted(options)}")
+        if layout.world_size != group.world_size:
+            raise ValueError(
+                f"KV layout for W={layout.world_size} on a DCP group of {group.world_size} ranks: in vLLM both "
+                "are decode_context_parallel_size"
+            )
+        if layout.rho >= 1 and (layout.bs < 1 or layout.interleave < 1 or layout.bs % layout.interleave):
+            # VllmConfig refuses this before any builder exists (vllm/config/parallel.py):
+            # the block size must be a multiple of cp_kv_cache_interleave_size.
+            raise ValueError(
+                f"KV layout bs={layout.bs}, S={layout.interleave}: vLLM needs block_size % "
+                f"cp_kv_cache_interleave_size == 0 (here {layout.bs * layout.rho} % {layout.interleave * layout.rho})"
+            )
         check_stage_gate(self.tree, group, world_size=group.world_size)
         if prefill_gather is None:
             prefill_gather = os.environ.get("DSV41_DCP_PREFILL_GATHER", "0") == "1"
@@ -195,10 +199,7 @@ class Dsv41Implementation:
         reason = self.vllm.unavailable_reason(terms)
         if reason:
             return reason
-        if (
-            terms.lse_base is not None
-            and terms.lse_base not in self.conventions.lse_bases
-        ):
+        if terms.lse_base is not None and terms.lse_base not in self.conventions.lse_bases:
             return (
                 f"the DCP2 port calls the combine with base-2 LSEs only (is_lse_base_on_e=False), "
                 f"not base {terms.lse_base:g}"

@@ -14,6 +14,6 @@ INTERLEAVE_UNIT = (
 
 
 def port_defect(terms) -> str | None:
-    if "build_attention" in terms.capabilities and terms.world_size > 1:
+    if terms.world_size > 1 and "multi_token_interleave" in terms.properties:
         return INTERLEAVE_UNIT
     return None

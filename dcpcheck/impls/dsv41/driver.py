@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41.tree import patched
 from dcpcheck.impls.dsv41.layer import (
     NULL_PAGE,
     LayerSpec,
     build_port_layer,
     padded_topk_width,
 )
+from dcpcheck.impls.dsv41.tree import patched
 
 
 @dataclass
@@ -45,9 +45,7 @@ def _compact_prefix(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, N] with -1 anywhere -> (the valid entries first, -1 after; lengths int32)."""
     valid = slots >= 0
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    return torch.gather(slots, 1, order).to(torch.int32), valid.sum(
-        dim=1, dtype=torch.int32
-    )
+    return torch.gather(slots, 1, order).to(torch.int32), valid.sum(dim=1, dtype=torch.int32)
 
 
 class PortAttention:
@@ -106,55 +104,37 @@ class PortAttention:
         num_rows = token_to_req.shape[0]
         requests = token_to_req.long()
         is_prefill = is_prefill_request.bool()
-        request_order = torch.cat(
-            [(~is_prefill).nonzero().flatten(), is_prefill.nonzero().flatten()]
-        )
+        request_order = torch.cat([(~is_prefill).nonzero().flatten(), is_prefill.nonzero().flatten()])
         new_index = torch.empty_like(request_order)
         new_index[request_order] = torch.arange(request_order.numel(), device=device)
         valid = is_valid_token.bool()
         real_rows = valid.nonzero().flatten()
-        real_rows = real_rows[
-            torch.argsort(new_index[requests[real_rows]], stable=True)
-        ]
+        real_rows = real_rows[torch.argsort(new_index[requests[real_rows]], stable=True)]
         padding_rows = (~valid).nonzero().flatten()
         decode_only = not bool(is_prefill.any())
         order = torch.cat([real_rows, padding_rows]) if decode_only else real_rows
         num_decodes = int((~is_prefill).sum())
-        query_lens = torch.bincount(
-            new_index[requests[real_rows]], minlength=request_order.numel()
-        )
-        num_decode_tokens = int(query_lens[:num_decodes].sum()) + (
-            padding_rows.numel() if decode_only else 0
-        )
+        query_lens = torch.bincount(new_index[requests[real_rows]], minlength=request_order.numel())
+        num_decode_tokens = int(query_lens[:num_decodes].sum()) + (padding_rows.numel() if decode_only else 0)
         num_prefill_tokens = int(query_lens[num_decodes:].sum())
 
-        token_to_req_new = torch.where(valid[order], new_index[requests[order]], 0).to(
-            torch.int32
-        )
-        query_start = torch.zeros(
-            request_order.numel() + 1, dtype=torch.int32, device=device
-        )
+        token_to_req_new = torch.where(valid[order], new_index[requests[order]], 0).to(torch.int32)
+        query_start = torch.zeros(request_order.numel() + 1, dtype=torch.int32, device=device)
         query_start[1:] = torch.cumsum(query_lens, 0)
         swa_indices, swa_lens = _compact_prefix(swa_slots[order])
         swa_lens = torch.where(valid[order], swa_lens, 0)
         window = swa_indices.shape[1]
         seq_lens_new = seq_lens[request_order].to(torch.int32)
         swa = DeepseekSparseSWAMetadata(
-            block_table=torch.zeros(
-                (request_order.numel(), 1), dtype=torch.int32, device=device
-            ),
-            slot_mapping=torch.full(
-                (order.numel(),), -1, dtype=torch.int64, device=device
-            ),
+            block_table=torch.zeros((request_order.numel(), 1), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((order.numel(),), -1, dtype=torch.int64, device=device),
             block_size=1,
             seq_lens=seq_lens_new,
             query_start_loc=query_start,
             query_start_loc_cpu=query_start.cpu(),
             is_valid_token=valid[order].clone(),
             token_to_req_indices=token_to_req_new,
-            decode_swa_indices=swa_indices[:num_decode_tokens].reshape(
-                num_decode_tokens, 1, window
-            ),
+            decode_swa_indices=swa_indices[:num_decode_tokens].reshape(num_decode_tokens, 1, window),
             decode_swa_lens=swa_lens[:num_decode_tokens],
             decode_swa_width=window,
             prefill_swa_indices=swa_indices[num_decode_tokens:].reshape(-1, 1, window),
@@ -163,9 +143,7 @@ class PortAttention:
             num_prefills=request_order.numel() - num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
-            max_decode_query_len=int(query_lens[:num_decodes].max())
-            if num_decodes
-            else 1,
+            max_decode_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 1,
         )
         compressed = comp_write_slots = None
         if self.rho >= 1:
@@ -179,9 +157,7 @@ class PortAttention:
                 rank=self.group.rank_in_group,
                 interleave=self.interleave,
             )
-            width = max(
-                block_table.shape[1], -(-(self.max_model_len // self.rho) // self.bs)
-            )
+            width = max(block_table.shape[1], -(-(self.max_model_len // self.rho) // self.bs))
             wide = torch.full(
                 (request_order.numel(), width),
                 NULL_PAGE,
@@ -195,9 +171,7 @@ class PortAttention:
                 max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
                 num_actual_tokens=int(real_rows.numel()),
                 query_start_loc=query_start,
-                slot_mapping=torch.full(
-                    (order.numel(),), -1, dtype=torch.int64, device=device
-                ),
+                slot_mapping=torch.full((order.numel(),), -1, dtype=torch.int64, device=device),
                 block_table=wide,
                 req_id_per_token=token_to_req_new,
                 block_size=self.bs * self.rho,
@@ -244,18 +218,14 @@ class PortAttention:
             )
             self._sink = sink.clone()
         elif not torch.equal(sink, self._sink):
-            raise ValueError(
-                "the dsv41 layer's sink is a weight: it cannot change between forwards"
-            )
+            raise ValueError("the dsv41 layer's sink is a weight: it cannot change between forwards")
         return self._layer
 
     def _mirror(self, cache: torch.Tensor, shape) -> torch.Tensor:
         """A bf16 copy of a suite cache at a fixed address (one per cache)."""
         mirror = self._mirrors.get(id(cache))
         if mirror is None:
-            mirror = self._mirrors[id(cache)] = torch.empty(
-                cache.shape, dtype=torch.bfloat16, device=cache.device
-            )
+            mirror = self._mirrors[id(cache)] = torch.empty(cache.shape, dtype=torch.bfloat16, device=cache.device)
         mirror.copy_(cache)
         return mirror.view(shape)
 
@@ -272,17 +242,13 @@ class PortAttention:
         states=None,
     ):
         if plan.layout != self.layout:
-            raise ValueError(
-                f"a step plan for layout {plan.layout} given to a layer of layout {self.layout}"
-            )
+            raise ValueError(f"a step plan for layout {plan.layout} given to a layer of layout {self.layout}")
         if kv is not None:
             written = plan.swa_write_slots >= 0
             swa_cache[plan.swa_write_slots[written]] = kv[written].to(swa_cache.dtype)
         if states is not None and self.rho >= 1:
             written = plan.comp_write_slots >= 0
-            comp_cache[plan.comp_write_slots[written]] = states[written].to(
-                comp_cache.dtype
-            )
+            comp_cache[plan.comp_write_slots[written]] = states[written].to(comp_cache.dtype)
         layer = self._port_layer(q, sink)
         order = plan.order
         rows = order.numel()
@@ -296,15 +262,9 @@ class PortAttention:
             buffer[:rows].fill_(-1)
             buffer[:rows, : topk.shape[1]] = topk[order].to(torch.int32)
         head_dim = q.shape[2]
-        layer.swa_cache_layer.kv_cache = self._mirror(
-            swa_cache, (swa_cache.shape[0], 1, head_dim)
-        )
-        comp = (
-            None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
-        )
-        output = torch.zeros(
-            (rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device
-        )
+        layer.swa_cache_layer.kv_cache = self._mirror(swa_cache, (swa_cache.shape[0], 1, head_dim))
+        comp = None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
+        output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
         with _cuda_query_stand_ins():
             layer._forward_sparse_impl(
                 q=q[order].to(torch.bfloat16),

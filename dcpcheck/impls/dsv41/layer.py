@@ -39,9 +39,7 @@ import torch
 from dcpcheck.impls.dsv41 import reference_kernel
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 
-TOPK_TILE = (
-    128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
-)
+TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
 NULL_PAGE = 0
 COMBINE_ENV = "DSV41_DCP_COMBINE"
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
@@ -131,9 +129,7 @@ def build_port_layer(
         environ[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
     module = tree.module(environ)
     cls = getattr(module, tree.spec.cls)
-    base = next(
-        klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention"
-    )
+    base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
     interleave_tokens = spec.interleave * max(spec.rho, 1)
     config = _config(
         world_size=spec.world_size,
@@ -154,28 +150,20 @@ def build_port_layer(
         self.compress_ratio = spec.rho
         self.scale = spec.head_dim**-0.5
         self.padded_heads = self.get_padded_num_q_heads(self.n_local_heads)
-        sink = torch.full(
-            (self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device
-        )
+        sink = torch.full((self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device)
         sink[: spec.local_heads] = spec.sink.float()
         self.attn_sink = torch.nn.Parameter(sink, requires_grad=False)
         self.topk_indices_buffer = topk_indices_buffer
-        self.max_num_batched_tokens = (
-            vllm_config.scheduler_config.max_num_batched_tokens
-        )
+        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.kv_cache_torch_dtype = torch.bfloat16
         self._o_proj_block_size = 128
         self.compressed_cache_prefix = None if spec.rho == 0 else prefix
-        self.swa_cache_layer = types.SimpleNamespace(
-            kv_cache=None, prefix=f"{prefix}.swa"
-        )
+        self.swa_cache_layer = types.SimpleNamespace(kv_cache=None, prefix=f"{prefix}.swa")
         # What the DCP2 stack's base class adds (vLLM's own units).
         self.dcp_world_size = group.world_size
         self.dcp_rank = group.rank_in_group
-        self.cp_kv_cache_interleave_size = (
-            vllm_config.parallel_config.cp_kv_cache_interleave_size
-        )
+        self.cp_kv_cache_interleave_size = vllm_config.parallel_config.cp_kv_cache_interleave_size
 
     replacements = {"get_dcp_group": lambda: group}
     if tree.kernel_reason is not None:
@@ -187,14 +175,10 @@ def build_port_layer(
 
     config_check = {}
     if tree.kernel_reason is not None:
-        config_check["has_flashinfer_sparse_mla_sm120_config"] = (
-            reference_kernel.has_sm120_config
-        )
+        config_check["has_flashinfer_sparse_mla_sm120_config"] = reference_kernel.has_sm120_config
     with (
         patched(base, __init__=weightless_init),
-        patched(
-            module, **{k: v for k, v in replacements.items() if hasattr(module, k)}
-        ),
+        patched(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}),
         patched(flashinfer_utils, **config_check),
         _environment(environ),
     ):

@@ -33,9 +33,7 @@ class KernelContractError(ValueError):
     """The caller broke the kernel's input contract."""
 
 
-def _candidate_rows(
-    cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None, what: str
-):
+def _candidate_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None, what: str):
     """-> (rows [T, N, D] fp32, valid [T, N] bool) of each token's first ``lens`` slots."""
     num_tokens = lens.shape[0] if lens is not None else indices.shape[0]
     slots = indices.reshape(num_tokens, -1).long()
@@ -45,9 +43,7 @@ def _candidate_rows(
     else:
         valid = torch.arange(width, device=slots.device)[None, :] < lens.long()[:, None]
         if bool((lens.long() > width).any()):
-            raise KernelContractError(
-                f"{what}: a length exceeds the index width {width}"
-            )
+            raise KernelContractError(f"{what}: a length exceeds the index width {width}")
         if bool((valid & (slots < 0)).any()):
             token = int((valid & (slots < 0)).any(dim=1).nonzero()[0])
             raise KernelContractError(
@@ -56,9 +52,7 @@ def _candidate_rows(
             )
     flat = cache.reshape(-1, cache.shape[-1])
     if bool((valid & (slots >= flat.shape[0])).any()):
-        raise KernelContractError(
-            f"{what}: a slot is past the end of the cache ({flat.shape[0]} rows)"
-        )
+        raise KernelContractError(f"{what}: a slot is past the end of the cache ({flat.shape[0]} rows)")
     rows = flat[slots.clamp(0, flat.shape[0] - 1)].float()
     # Entries past the length are never read: whatever their slot holds (NaN included) weighs nothing.
     return rows.masked_fill(~valid[..., None], 0.0), valid
@@ -79,29 +73,21 @@ def sparse_attention_with_lse(
 ) -> None:
     """Attention of each query over its SWA and compressed candidates (+ sink)."""
     if query.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-        raise KernelContractError(
-            f"query/out must be bf16, got {query.dtype}/{out.dtype}"
-        )
+        raise KernelContractError(f"query/out must be bf16, got {query.dtype}/{out.dtype}")
     if query.shape[1] not in KERNEL_HEADS:
-        raise KernelContractError(
-            f"h_q={query.shape[1]} has no SM120 specialization; accepted: {KERNEL_HEADS}"
-        )
+        raise KernelContractError(f"h_q={query.shape[1]} has no SM120 specialization; accepted: {KERNEL_HEADS}")
     rows, valid = _candidate_rows(swa_kv_cache, swa_indices, swa_lens, "swa indices")
     if extra_indices is not None:
         if compressed_kv_cache is None:
             raise KernelContractError("extra indices without a compressed cache")
-        extra_rows, extra_valid = _candidate_rows(
-            compressed_kv_cache, extra_indices, extra_lens, "compressed indices"
-        )
+        extra_rows, extra_valid = _candidate_rows(compressed_kv_cache, extra_indices, extra_lens, "compressed indices")
         rows, valid = (
             torch.cat([rows, extra_rows], 1),
             torch.cat([valid, extra_valid], 1),
         )
     q = query.float()
     log2e = 1.0 / math.log(2.0)
-    logits2 = torch.einsum("thd,tnd->thn", q, rows) * (
-        sm_scale * log2e
-    )  # base-2 logits
+    logits2 = torch.einsum("thd,tnd->thn", q, rows) * (sm_scale * log2e)  # base-2 logits
     logits2 = logits2.masked_fill(~valid[:, None, :], -math.inf)
     if sinks is not None:
         sink2 = (sinks.float() * log2e)[None, :, None].expand(q.shape[0], -1, 1)
@@ -112,9 +98,7 @@ def sparse_attention_with_lse(
     weights = torch.exp2(logits2 - peak)
     denominator = weights.sum(dim=2, keepdim=True)
     values = weights[..., : rows.shape[1]]
-    attended = torch.einsum("thn,tnd->thd", values, rows) / torch.where(
-        empty, 1.0, denominator
-    )
+    attended = torch.einsum("thn,tnd->thd", values, rows) / torch.where(empty, 1.0, denominator)
     out.copy_(torch.where(empty, 0.0, attended).to(out.dtype))
     row_lse = (peak + torch.log2(torch.where(empty, 1.0, denominator))).squeeze(2)
     lse.copy_(torch.where(empty.squeeze(2), EMPTY_LSE, row_lse))
@@ -169,9 +153,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     """vLLM's ``flashinfer_trtllm_batch_decode_sparse_mla_dsv4`` (no LSE out)."""
     del workspace_buffer
     if kv_layout != "NHD":
-        raise KernelContractError(
-            f"kv_layout={kv_layout!r}; the SM120 kernel takes 'NHD'"
-        )
+        raise KernelContractError(f"kv_layout={kv_layout!r}; the SM120 kernel takes 'NHD'")
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     sparse_attention_with_lse(
         query,

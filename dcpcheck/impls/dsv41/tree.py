@@ -64,9 +64,7 @@ class PortSpec:
             return cls()
         parts = spec.split(":")
         if len(parts) != 3 or parts[0] != "dsv41" or not all(parts[1:]):
-            raise PortSpecError(
-                f"--dcp-impl {spec!r}: accepted 'dsv41' or 'dsv41:MODULE:CLASS'"
-            )
+            raise PortSpecError(f"--dcp-impl {spec!r}: accepted 'dsv41' or 'dsv41:MODULE:CLASS'")
         return cls(parts[1], parts[2])
 
 
@@ -90,9 +88,7 @@ def _file_of(module_name: str) -> str:
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
-        raise PortSpecError(
-            f"cannot find module {module_name!r} ({exc}); {INSTALL_HINT}"
-        ) from exc
+        raise PortSpecError(f"cannot find module {module_name!r} ({exc}); {INSTALL_HINT}") from exc
     if spec is None or not spec.origin:
         raise PortSpecError(f"cannot find module {module_name!r}; {INSTALL_HINT}")
     return spec.origin
@@ -136,18 +132,10 @@ class PortTree:
         attention = getattr(module, spec.cls, None)
         if attention is None:
             raise PortSpecError(f"{spec.module} has no class {spec.cls!r}")
-        missing = [
-            name
-            for name in PORT_METHODS
-            if not callable(getattr(attention, name, None))
-        ]
+        missing = [name for name in PORT_METHODS if not callable(getattr(attention, name, None))]
         if not hasattr(module, BUILDER_CLASS):
-            missing.append(
-                f"{BUILDER_CLASS} (the metadata builder holding the stage gate)"
-            )
-        missing += [
-            f"module-level {name}" for name in KERNEL_NAMES if not hasattr(module, name)
-        ]
+            missing.append(f"{BUILDER_CLASS} (the metadata builder holding the stage gate)")
+        missing += [f"module-level {name}" for name in KERNEL_NAMES if not hasattr(module, name)]
         if missing:
             raise PortSpecError(
                 f"{spec.module}.{spec.cls} is not a DCP2 port: it lacks {', '.join(missing)}. "
@@ -162,16 +150,12 @@ class PortTree:
 
     def module(self, environ: dict[str, str]) -> types.ModuleType:
         """The port module as imported under ``environ`` (only the variables it reads at import)."""
-        key = tuple(
-            sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT)
-        )
+        key = tuple(sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT))
         module = self._modules.get(key)
         if module is None:
             module = _execute(self.spec.module, dict(key))
             if self.kernel_reason is not None:
-                module._sm120_sparse_attention_with_lse = (
-                    reference_kernel.sm120_sparse_attention_with_lse
-                )
+                module._sm120_sparse_attention_with_lse = reference_kernel.sm120_sparse_attention_with_lse
                 module.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = (
                     reference_kernel.trtllm_batch_decode_sparse_mla_dsv4
                 )
