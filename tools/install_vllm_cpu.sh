@@ -46,6 +46,7 @@ DEPS=(
   "fastapi>=0.133.0,<0.137.0"
   "partial-json-parser"
   "llguidance>=1.7.0,<1.8.0"
+  "einops"  # imported by the DeepSeek-V4.1 attention modules (--dcp-impl dsv41)
 )
 
 # The check: the three functions the adapter binds import on CPU, under the
@@ -54,6 +55,7 @@ verify() {
   CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" - "$VLLM_VERSION" "$installed_torch" <<'EOF'
 import sys
 import torch
+import einops  # noqa: F401  (the DeepSeek-V4.1 modules need it)
 import vllm
 from vllm.v1.attention.ops.dcp import cp_lse_ag_out_rs, dcp_a2a_lse_reduce
 from vllm.v1.attention.backends.mla.sparse_utils import (

@@ -28,6 +28,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"impl={session.impl_spec} device={session.device_type}/{session.backend} "
             f"mode={session.mode} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
+        describe = getattr(session.impl, "describe", None)
+        if callable(describe):
+            # What the implementation runs here (e.g. which kernel stands in for one that cannot run).
+            terminalreporter.write_line(describe())
     terminalreporter.write_line(f"{'stage':<40}" + "".join(f"{c:>9}" for c in COLUMNS))
     for stage in sorted(counts):
         row = counts[stage]
