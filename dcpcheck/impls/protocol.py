@@ -54,6 +54,10 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
     "multi_token_interleave": "compressed layers whose interleave spans more than one token "
     "(S states * rho tokens per state > 1), read and written at W > 1",
+    "adjacent_index_sources": "adjacent layers of one KV layout, each publishing its own top-k into the "
+    "one model-wide top-k buffer in the same step",
+    "stage_value_empty": "DSV41_DCP_STAGE set to the empty string (which means unset)",
+    "stage_value_not_integer": "DSV41_DCP_STAGE set to something that is not a non-negative integer",
 }
 
 

@@ -135,3 +135,48 @@ def check_single_rank_at_any_stage(ctx):
 @pytest.mark.world_sizes(1)
 def test_single_rank_runs_at_any_stage(dcp):
     dcp.run(check_single_rank_at_any_stage)
+
+
+# The variable as people set it: `DSV41_DCP_STAGE=` in a launch script is
+# "unset"; ` 3` from a YAML value is stage 3; `3a` is not a stage.
+def check_stage_value_builds(ctx, *, value):
+    """A value that means "unset" or a stage >= 3 builds the DCP path."""
+    for name in VALID_LAYOUTS:
+        outcome, _, _ = build_counting_collectives(ctx, layout_of(name, ctx.world_size), value)
+        if isinstance(outcome, Exception):
+            raise MismatchError(
+                f"W={ctx.world_size} rank {ctx.rank}, {STAGE_ENV}={value!r}, {name} layout: "
+                f"build_attention must build (the value means {'unset' if not value.strip() else 'stage 3'}); "
+                f"it raised {outcome!r}"
+            )
+
+
+def check_stage_value_refused(ctx, *, value):
+    """A value that is not a stage is refused, naming the variable, before any collective."""
+    for name in VALID_LAYOUTS:
+        where = f"W={ctx.world_size} rank {ctx.rank}, {STAGE_ENV}={value!r}, {name} layout"
+        outcome, via_group, direct = build_counting_collectives(ctx, layout_of(name, ctx.world_size), value)
+        if not isinstance(outcome, Exception):
+            raise MismatchError(f"{where}: not a stage, yet build_attention built a layer")
+        if STAGE_ENV not in str(outcome) or via_group or direct:
+            raise MismatchError(
+                f"{where}: the error must name {STAGE_ENV} (what was wrong, what is accepted) and come "
+                f"before any collective; got {outcome!r} after {via_group + len(direct)} collectives"
+            )
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.scenario("stage_value_empty")
+def test_gate_reads_an_empty_stage_as_unset(dcp):
+    dcp.run(check_stage_value_builds, value="")
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_gate_reads_a_padded_stage(dcp):
+    dcp.run(check_stage_value_builds, value=" 3")
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.scenario("stage_value_not_integer")
+def test_gate_refuses_a_stage_that_is_not_an_integer(dcp):
+    dcp.run(check_stage_value_refused, value="3a")

@@ -34,7 +34,7 @@ from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows
 from dcpcheck.spies import spy_on_capability
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
-pytestmark = [pytest.mark.needs("build_attention"), pytest.mark.scenario("multi_token_interleave")]
+pytestmark = pytest.mark.needs("build_attention")
 
 NUM_HEADS = 8
 HEAD_DIM = 64
@@ -181,24 +181,28 @@ def check_geometry_once_per_step(ctx, layers, steps, prefill_gather: bool, calls
         pytest.param("a2a", True, marks=pytest.mark.stage(STAGE_PREFILL)),
     ],
 )
+@pytest.mark.scenario("multi_token_interleave")
 def test_serving_trace_matches_dcp1(dcp, backend, prefill_gather):
     dcp.run(check_serving_trace, backend=backend, prefill_gather=prefill_gather)
 
 
 # State a port keeps across the layers of one step (caches keyed on the
 # metadata object or on buffer addresses) must hold for every layer order
-# vLLM produces. Two adjacent C4A layers of one KV layout, each its own index
-# source: their top-k arrive through the one model-wide top-k buffer, at the
-# same address, one after the other.
+# vLLM produces. The layers are DSV4.1's compress ratio 1 with a one-token
+# interleave, where tokens and states are the same unit.
+#
+# Two adjacent layers of one KV layout, each its own index source: their
+# top-k arrive through the one model-wide top-k buffer, at the same address,
+# one after the other.
 ADJACENT_INDEX_SOURCES = (
-    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),
-    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
 )
-# KV groups interleaved: C4A, C128A, C4A, as DSV4.1 stacks alternate them.
+# Two KV groups (layouts, so two metadata objects) interleaved: A, B, A.
 INTERLEAVED_KV_GROUPS = (
-    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),
-    LayerSpec(rho=128, bs=2, interleave=1, top_k=4),
-    LayerSpec(rho=4, bs=8, interleave=2, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=4, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
 )
 
 
@@ -206,7 +210,9 @@ INTERLEAVED_KV_GROUPS = (
 @pytest.mark.parametrize(
     "order",
     [
-        pytest.param(ADJACENT_INDEX_SOURCES, id="adjacent_index_sources"),
+        pytest.param(
+            ADJACENT_INDEX_SOURCES, id="adjacent_index_sources", marks=pytest.mark.scenario("adjacent_index_sources")
+        ),
         pytest.param(INTERLEAVED_KV_GROUPS, id="interleaved_kv_groups"),
     ],
 )

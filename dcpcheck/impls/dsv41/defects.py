@@ -11,9 +11,35 @@ INTERLEAVE_UNIT = (
     "cp_kv_cache_interleave_size // compress_ratio: at W > 1 and compress ratio > 1 the ranks read states "
     "other than those written (or the filter asserts BLOCK_SIZE % interleave); docs/dsv41.md, defect 1"
 )
+STALE_INDEX_CACHE = (
+    "seed DCP2 port: _dcp_prefill_gather caches the remapped top-k per step under "
+    "'ikey = (topk_indices.data_ptr(), tuple(topk_indices.shape))', but every layer reads its top-k from the one "
+    "model-wide topk_indices_buffer, so a second index-source layer of the same KV group in the step gets the "
+    "first one's slots; docs/dsv41.md, defect 2"
+)
+
+STAGE_VALUE_EMPTY = (
+    'seed DCP2 port: the builder gate reads \'int(os.environ.get("DSV41_DCP_STAGE", "3"))\', so '
+    "DSV41_DCP_STAGE= (empty: unset) crashes the boot with ValueError: invalid literal for int(); "
+    "docs/dsv41.md, defect 3"
+)
+STAGE_VALUE_NOT_INTEGER = (
+    'seed DCP2 port: the builder gate\'s int(os.environ.get("DSV41_DCP_STAGE", "3")) refuses \'3a\' with '
+    "\"invalid literal for int() with base 10: '3a'\", which names neither the variable nor what it accepts; "
+    "docs/dsv41.md, defect 3"
+)
 
 
 def port_defect(terms) -> str | None:
-    if terms.world_size > 1 and "multi_token_interleave" in terms.properties:
-        return INTERLEAVE_UNIT
-    return None
+    if terms.world_size < 2 or "build_attention" not in terms.capabilities:
+        return None
+    reasons = []
+    if "multi_token_interleave" in terms.properties:
+        reasons.append(INTERLEAVE_UNIT)
+    if "adjacent_index_sources" in terms.properties:
+        reasons.append(STALE_INDEX_CACHE)
+    if "stage_value_empty" in terms.properties:
+        reasons.append(STAGE_VALUE_EMPTY)
+    if "stage_value_not_integer" in terms.properties:
+        reasons.append(STAGE_VALUE_NOT_INTEGER)
+    return "; and ".join(reasons) or None
