@@ -70,10 +70,18 @@ class DcpRunner:
             self._node.user_properties.append(("dcp_backend", case["backend"]))
         try:
             result = self.session.launcher().run(
-                self.world_size, fn, case, seed=self.seed, impl_spec=self.session.impl_spec, timeout=timeout
+                self.world_size,
+                fn,
+                case,
+                seed=self.seed,
+                impl_spec=self.session.impl_spec,
+                timeout=timeout,
+                case_id=self.nodeid,
             )
         except LaunchError as exc:
             pytest.fail(f"{self.header()}\n{exc}", pytrace=False)
+        if result.stop_session:
+            self._node.session.shouldstop = result.stop_session
         if not result.ok:
             pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
         values = [result.outcomes[rank].value for rank in range(self.world_size)]

@@ -8,6 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# After one rank has failed, how long its peers get to finish before they are
+# declared stuck (waiting in a collective the failed rank never joined).
+PEER_GRACE_S = 3.0
+# A rank's collectives time out this long after the case timeout, so that a
+# stuck case is ended by the launcher (which reads every stuck rank's stack),
+# not by a rank's collective raising first.
+COLLECTIVE_TIMEOUT_GRACE_S = 30.0
+
 
 class LaunchError(RuntimeError):
     """The ranks could not be started or could not form their group."""
@@ -21,24 +29,32 @@ class CaseResult:
     outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
     stuck: dict = field(default_factory=dict)  # rank -> Python stacks
     dead: dict = field(default_factory=dict)  # rank -> how it died (+ log tail)
+    silent: dict = field(default_factory=dict)  # rank -> why it sent no report (torchrun: no process to watch)
     timed_out: bool = False
     seconds: float = 0.0
+    # Set when no later case can run on these ranks (torchrun: a rank is gone
+    # or wedged): the session stops after this test, saying why.
+    stop_session: str | None = None
 
     @property
     def ok(self) -> bool:
         return (
             not self.stuck
             and not self.dead
+            and not self.silent
             and len(self.outcomes) == self.world_size
             and all(o.ok for o in self.outcomes.values())
         )
 
 
 class Launcher(Protocol):
-    def run(self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+    def run(
+        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
+    ) -> CaseResult:
         """Run ``fn(ctx, **case)`` on ``world_size`` ranks with the
         implementation ``impl_spec``; ranks still running ``timeout`` seconds
-        later are stuck. Raises :class:`LaunchError` when the ranks cannot start."""
+        later are stuck. ``case_id`` names the case (the test's node id) alike
+        on every rank. Raises :class:`LaunchError` when the ranks cannot start."""
         ...
 
     def stop(self) -> None:

@@ -24,12 +24,9 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from dcpcheck.ranks.launcher import CaseResult, LaunchError
+from dcpcheck.ranks.launcher import PEER_GRACE_S, CaseResult, LaunchError
 from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
 
-# After one rank has failed, how long its peers get to finish before they are
-# declared stuck (waiting in a collective the failed rank never joined).
-PEER_GRACE_S = 3.0
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
 STOP_WAIT_S = 10.0  # at most, for the ranks to leave their group and exit when asked to

@@ -50,20 +50,48 @@ class RankOutcome:
     seconds: float = 0.0
 
 
+# At most this much of one rank's error text reaches the failure message (a
+# rank function's exception can be megabytes); the head and the tail are kept.
+MAX_ERROR_CHARS = 64 * 1024
+# Exceptions that end a process rather than fail a call: raised by a rank
+# function, they leave the case early, and are reported as such.
+LEAVING = (SystemExit, KeyboardInterrupt, GeneratorExit)
+
+
+def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}\n... [{len(text) - 2 * keep} characters cut] ...\n{text[-keep:]}"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ExcType: message``, even when the exception's ``str()`` raises."""
+    try:
+        message = str(exc)
+    except BaseException as inner:  # noqa: BLE001 - a hostile __str__ must not hide the failure
+        message = f"<str() of the exception raised {type(inner).__name__}>"
+    if isinstance(exc, LEAVING):
+        message = f"{message} (the rank function left the case early by raising {type(exc).__name__})"
+    return f"{type(exc).__name__}: {message}"
+
+
 def format_rank_error(rank: int, exc: BaseException) -> str:
     """``[rank r]`` first, then the exception, then where it came from."""
-    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    head = f"[rank {rank}] {type(exc).__name__}: {exc}"
-    return head + "\n" + "".join(f"[rank {rank}] {line}" for chunk in frames for line in chunk.splitlines(True))
+    try:
+        frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    except BaseException:  # noqa: BLE001 - formatting runs the exception's own code
+        frames = traceback.format_tb(exc.__traceback__)
+    head = f"[rank {rank}] {bounded(describe_exception(exc), MAX_ERROR_CHARS // 4)}"
+    lines = "".join(f"[rank {rank}] {line}" for chunk in frames for line in chunk.splitlines(True))
+    return bounded(head + "\n" + lines)
 
 
 def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     start = time.perf_counter()
     try:
         value = fn(ctx, **ctx.case)
-    except BaseException as exc:  # every failure is reported, with its rank; interrupts go on
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
+    except BaseException as exc:  # noqa: BLE001 - every way out of a rank function is reported, with its rank
         return RankOutcome(ctx.rank, False, format_rank_error(ctx.rank, exc), None, time.perf_counter() - start)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)

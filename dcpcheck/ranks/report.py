@@ -16,6 +16,8 @@ def format_case_failure(result: CaseResult, *, header: dict, case: dict, timeout
         summary.append(f"failing ranks {failed}")
     if result.dead:
         summary.append(f"dead ranks {sorted(result.dead)}")
+    if result.silent:
+        summary.append(f"ranks {sorted(result.silent)} sent no report")
     if result.stuck:
         why = (
             f"timed out after {timeout:g} s"
@@ -30,6 +32,10 @@ def format_case_failure(result: CaseResult, *, header: dict, case: dict, timeout
         lines.append(result.outcomes[rank].error.rstrip())
     for rank, how in sorted(result.dead.items()):
         lines.append(f"[rank {rank}] worker died: {how}")
+    for rank, why in sorted(result.silent.items()):
+        lines.append(f"[rank {rank}] {why}")
     for rank, stack in sorted(result.stuck.items()):
         lines.append(f"[rank {rank}] Python stacks at the timeout:\n{stack}")
+    if result.stop_session:
+        lines.append(f"the session stops after this test: {result.stop_session}")
     return "\n".join(lines)

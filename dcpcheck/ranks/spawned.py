@@ -10,13 +10,8 @@ pool at the end of the session.
 
 from __future__ import annotations
 
-from dcpcheck.ranks.launcher import CaseResult
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult
 from dcpcheck.ranks.pool import RankPool
-
-# A rank's collectives time out this long after the case timeout, so that a
-# stuck case is ended by the pool (which reads every stuck rank's stack), not
-# by a rank's collective raising first.
-COLLECTIVE_TIMEOUT_GRACE_S = 30.0
 
 
 class SpawnedRanks:
@@ -49,7 +44,9 @@ class SpawnedRanks:
             raise
         return pool
 
-    def run(self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+    def run(
+        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
+    ) -> CaseResult:
         pool = self._live_pool(world_size, impl_spec)
         result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
         if result.stuck or result.dead:

@@ -1,19 +1,31 @@
 """In-process ranks for ``torchrun --nproc-per-node N -m pytest``.
 
 Every rank runs the whole pytest session; each multi-rank test runs its rank
-function in this process on the launcher's group. Outcomes are exchanged on a
-group of their own that no test touches, so a rank that failed before a
-collective cannot pair its report with a peer's pending collective: the peer's
-collective times out (the group timeout is the case timeout), then both report.
+function in a *case thread* of this process, on the launcher's group, while
+the main thread keeps the time. The ranks exchange what happened through the
+launcher's store (:class:`~dcpcheck.ranks.outcome_board.OutcomeBoard`), keyed
+by the test's node id, never through a collective: a rank that is stuck, that
+left the case early or whose process is gone cannot pair its report with a
+peer's pending collective, nor with another test's report.
+
+* A case thread still running at the case timeout (or 3 s after a peer
+  failed) is *stuck*: its rank reports its Python stack and abandons it; the
+  next case gets a fresh DCP group.
+* A rank that sends no report at all (its process ended, is stopped, or
+  spins holding the GIL) is named with what its process is doing, and the
+  session stops: these ranks can run no further case together.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
-import pickle
+import signal
 import sys
 import threading
+import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -21,16 +33,22 @@ import torch.distributed as dist
 
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.group import DcpGroup
-from dcpcheck.ranks.launcher import CaseResult
-from dcpcheck.ranks.rankfn import RankContext, RankOutcome, run_rank_case
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, CaseResult
+from dcpcheck.ranks.outcome_board import OutcomeBoard, RankReport
+from dcpcheck.ranks.procstate import describe_process
+from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, run_rank_case
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# Extra seconds, past the case timeout, before a rank stuck outside any
-# collective dumps its stack and exits (which ends the torchrun job).
-WATCHDOG_GRACE_S = 30.0
-# On CUDA a case that overruns its timeout gets its DCP group's communicator
-# aborted by a timer (see _run_case); 0 keeps NCCL's watchdog from racing
-# that abort or taking the whole torchrun job down on the same timeout.
+# After the case timeout, how long the ranks wait for each other's reports: a
+# rank that sent none by then is silent.
+REPORT_GRACE_S = 10.0
+# A rank whose main thread cannot run (a case thread holding the GIL) dumps
+# its stacks and exits this long after the case timeout (faulthandler's C
+# watchdog needs no GIL), which ends the torchrun job.
+WEDGED_EXIT_S = 60.0
+# On CUDA a stuck case gets its DCP group's communicator aborted (see
+# _abandon); 0 keeps NCCL's watchdog from racing that abort or taking the
+# whole torchrun job down on the same timeout.
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 
 
@@ -44,6 +62,30 @@ def launcher_world_size(environ=os.environ) -> int:
 
 def launcher_rank(environ=os.environ) -> int:
     return int(environ["RANK"])
+
+
+class _JobStopping(BaseException):
+    """SIGTERM during a case: torchrun is ending the job (typically because a
+    peer's process ended)."""
+
+
+class _CaseThread(threading.Thread):
+    def __init__(self, fn, ctx: RankContext):
+        super().__init__(name="dcpcheck-case", daemon=True)  # an abandoned one must not hold up the exit
+        self.fn, self.ctx = fn, ctx
+        self.outcome: RankOutcome | None = None
+
+    def run(self) -> None:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)  # the current device is per thread
+        self.outcome = run_rank_case(self.fn, self.ctx)
+
+
+def _thread_stack(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "(no stack: the case thread ended)"
+    return f'Thread "{thread.name}" (the case):\n' + "".join(traceback.format_stack(frame)).rstrip()
 
 
 class InProcessRanks:
@@ -63,73 +105,128 @@ class InProcessRanks:
         if not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if device_type == "cuda" else "gloo",
-                timeout=timedelta(seconds=case_timeout),
+                timeout=timedelta(seconds=case_timeout + COLLECTIVE_TIMEOUT_GRACE_S),
                 **({"device_id": self.device} if device_type == "cuda" else {}),
             )
-        self.outcome_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=case_timeout + WATCHDOG_GRACE_S))
-        self.group = self._new_dcp_group()
+        self.board = OutcomeBoard(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
+        self.board.announce()
+        self.group: DcpGroup | None = None
+        # Groups a stuck case thread may still be waiting in: kept referenced,
+        # so that no destructor waits for that thread.
+        self.abandoned: list[DcpGroup] = []
+        self.calls_per_test: dict[str, itertools.count] = {}
 
     def _new_dcp_group(self) -> DcpGroup:
-        timeout = timedelta(seconds=self.case_timeout)
+        # Longer than the case timeout: a stuck case is ended (and its stacks
+        # read) by the main thread, not by its collective raising first.
+        timeout = timedelta(seconds=self.case_timeout + COLLECTIVE_TIMEOUT_GRACE_S)
         device_group = dist.new_group(backend="nccl" if self.device_type == "cuda" else "gloo", timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.device_type == "cuda" else device_group
         return DcpGroup(self.rank, self.world_size, self.device, device_group, cpu_group)
 
-    def run(self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+    def run(
+        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
+    ) -> CaseResult:
         assert world_size == self.world_size, "the plugin skips other world sizes before launch"
-        faulthandler.dump_traceback_later(timeout + 2 * WATCHDOG_GRACE_S, exit=True, file=sys.stderr)
+        # The n-th case of this test: every rank agrees on it without talking,
+        # and no report can be taken for another test's.
+        key = f"{case_id}#{next(self.calls_per_test.setdefault(case_id, itertools.count()))}"
+        started = time.perf_counter()
+        faulthandler.dump_traceback_later(timeout + WEDGED_EXIT_S, exit=True, file=sys.stderr)
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_job_stopping)
+        real_exit = os._exit
+        os._exit = self._reporting_exit(key, real_exit)
+        stopping = None
         try:
+            if self.group is None:
+                self.group = self._new_dcp_group()
             self.group.collective_calls = 0
             ctx = RankContext(self.group, self.device, load_implementation(impl_spec), seed, case)
-            mine = self._run_case(fn, ctx, timeout)
-            outcomes: list[RankOutcome | None] = [None] * self.world_size
-            dist.all_gather_object(outcomes, _picklable(mine), group=self.outcome_group)
+            thread = _CaseThread(fn, ctx)
+            thread.start()
+            self.board.post(key, self._await(thread, key, started, timeout))
+            reports = self.board.verdict(key, deadline=started + timeout + REPORT_GRACE_S)
+        except _JobStopping:
+            stopping = "torchrun is ending the job (SIGTERM), typically because a peer's process ended"
+            reports = self.board.read(key)
         finally:
+            os._exit = real_exit
+            signal.signal(signal.SIGTERM, previous_sigterm)
             faulthandler.cancel_dump_traceback_later()
-        result = CaseResult(self.world_size, outcomes={o.rank: o for o in outcomes})
+        result = self._result(reports, timeout, stopping)
+        result.seconds = time.perf_counter() - started
+        if result.stop_session:
+            # torchrun's SIGTERM (a peer ended) must not cut this rank's report short.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not result.ok:
-            # A failed case may have left collectives unmatched: start clean.
-            self.group = self._new_dcp_group()
+            # A failed case may have left collectives unmatched, or a thread in
+            # one: the next case starts on a fresh group.
+            self.abandoned.append(self.group)
+            self.group = None
         return result
 
-    def _run_case(self, fn, ctx: RankContext, timeout: float) -> RankOutcome:
-        """On CUDA, abort the DCP group's communicator when the case overruns:
-        the stuck collective's kernel then exits and the rank reports. NCCL's
-        own watchdog cannot be relied on for it: it was seen blocked for as
-        long as the main thread waited on the stuck kernel (in ``.item()``)."""
-        if self.device_type != "cuda":
-            return run_rank_case(fn, ctx)
-        aborted = threading.Event()
+    def _await(self, thread: _CaseThread, key: str, started: float, timeout: float) -> RankReport:
+        """This rank's report: its outcome, or its stack when its case thread
+        is still running at the timeout or ``PEER_GRACE_S`` after a peer failed."""
+        deadline = started + timeout
+        peer_failed = None
+        while thread.is_alive():
+            now = time.perf_counter()
+            limit = deadline if peer_failed is None else min(deadline, peer_failed + PEER_GRACE_S)
+            if now >= limit:
+                stack = _thread_stack(thread)
+                self._abandon(thread)
+                return RankReport(self.rank, stack=stack, timed_out=peer_failed is None)
+            thread.join(min(0.1, limit - now))
+            if peer_failed is None and self.board.any_failure(key):
+                peer_failed = time.perf_counter()
+        return RankReport(self.rank, outcome=thread.outcome)
 
-        def abort_dcp_group() -> None:
-            aborted.set()
+    def _abandon(self, thread: _CaseThread) -> None:
+        """On CUDA, abort the stuck group's communicator so that the stuck
+        kernel exits: NCCL's own watchdog was seen blocked for as long as the
+        case thread waited on the kernel (in ``.item()``)."""
+        if self.device_type == "cuda":
             self.group.device_group.abort()
+            thread.join(PEER_GRACE_S)
 
-        timer = threading.Timer(timeout, abort_dcp_group)
-        timer.start()
-        try:
-            outcome = run_rank_case(fn, ctx)
-        finally:
-            timer.cancel()
-            timer.join()  # an abort under way finishes before the outcome is read
-        if not aborted.is_set():
-            return outcome
-        error = (
-            f"[rank {self.rank}] DistBackendError: Timed out after {timeout:g} s (typically waiting in a "
-            f"collective a peer never joined); the DCP group's NCCL communicator was aborted"
-        )
-        return RankOutcome(
-            self.rank, False, error + ("\n" + outcome.error if outcome.error else ""), None, outcome.seconds
-        )
+    def _reporting_exit(self, key: str, real_exit):
+        def exit_reporting_it(code: int = 0):
+            try:
+                self.board.post(key, RankReport(self.rank, left=f"called os._exit({code}) during the case"))
+            finally:
+                real_exit(code)
+
+        return exit_reporting_it
+
+    def _result(self, reports: dict, timeout: float, stopping: str | None) -> CaseResult:
+        result = CaseResult(self.world_size, stop_session=stopping)
+        for rank in range(self.world_size):
+            report = reports.get(rank)
+            if report is None:
+                result.silent[rank] = (
+                    f"sent no report within {timeout + REPORT_GRACE_S:g} s; its process "
+                    + self.board.process_state(rank, describe_process)
+                )
+            elif report.left:
+                result.dead[rank] = report.left
+            elif report.stack is not None:
+                result.stuck[rank] = bounded(report.stack)
+                result.timed_out = result.timed_out or report.timed_out
+            else:
+                result.outcomes[rank] = report.outcome
+        if result.silent and result.stop_session is None:
+            result.stop_session = f"rank(s) {sorted(result.silent)} sent no report: no later case can run on them"
+        if result.dead and result.stop_session is None:
+            result.stop_session = f"rank(s) {sorted(result.dead)} ended their process: torchrun ends the job"
+        return result
 
     def stop(self) -> None:
-        if dist.is_initialized():
+        # A thread abandoned in a collective would make the group's
+        # destruction wait for that collective's own timeout.
+        if dist.is_initialized() and not self.abandoned:
             dist.destroy_process_group()
 
 
-def _picklable(outcome: RankOutcome) -> RankOutcome:
-    try:
-        pickle.dumps(outcome.value)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure means "drop the value"
-        outcome.value = f"<unpicklable return value: {exc}>"
-    return outcome
+def _raise_job_stopping(signum, frame):
+    raise _JobStopping()

@@ -1,9 +1,14 @@
 """``torchrun -m pytest``: in-process ranks agree on every outcome, only rank
-0 reports, and a rank failing before a collective does not hang the job."""
+0 reports, and a rank that fails, hangs or leaves a case early fails that
+case, with the run header and its cause, at the case timeout at the latest,
+and never the next test."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -11,37 +16,113 @@ from tests.selftest.inner import inner_env, write_session
 
 pytestmark = pytest.mark.spawned_only
 
+CASE_TIMEOUT_S = 3
+
 TORCHRUN_TESTS = """
 import pytest
+from tests.selftest.hostile import leave_on_rank, sleep_on_rank
 from tests.selftest.rank_functions import raise_on_rank, sum_of_ranks
 
-def test_passes(dcp):
+def test_01_passes(dcp):
     dcp.run(sum_of_ranks)
 
 @pytest.mark.parametrize("before_collective", [False, True])
-def test_rank_one_fails(dcp, before_collective):
+def test_02_rank_one_fails(dcp, before_collective):
     dcp.run(raise_on_rank, bad_rank=1, before_collective=before_collective)
 
-def test_passes_after_failures(dcp):
+def test_03_stuck_rank(dcp):
+    dcp.run(sleep_on_rank, bad_rank=1)
+
+def test_04_after_a_stuck_rank(dcp):
+    dcp.run(sum_of_ranks)
+
+def test_05_system_exit(dcp):
+    dcp.run(leave_on_rank, bad_rank=1, how="SystemExit")
+
+def test_06_keyboard_interrupt(dcp):
+    dcp.run(leave_on_rank, bad_rank=1, how="KeyboardInterrupt", before_collective=False)
+
+def test_07_after_leaving(dcp):
+    dcp.run(sum_of_ranks)
+
+def test_08_os_exit(dcp):
+    dcp.run(leave_on_rank, bad_rank=1, how="os._exit")
+
+def test_09_never_runs(dcp):
     dcp.run(sum_of_ranks)
 """
 
 
-def test_torchrun_ranks_agree_and_only_rank_zero_reports(tmp_path):
-    import subprocess
+def _outcomes(junit_path) -> dict[str, tuple[str, str, float]]:
+    """test name -> (outcome, failure message, seconds), from rank 0's JUnit XML."""
+    found = {}
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        failure = case.find("failure")
+        outcome = "failed" if failure is not None else "skipped" if case.find("skipped") is not None else "passed"
+        message = (failure.get("message", "") + "\n" + (failure.text or "")) if failure is not None else ""
+        found[case.get("name")] = (outcome, message, float(case.get("time")))
+    return found
 
+
+@pytest.fixture(scope="module")
+def torchrun_session(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("torchrun")
     write_session(tmp_path, {"test_torchrun.py": TORCHRUN_TESTS})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
-        "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", "--dcp-timeout", "5", "test_torchrun.py",
+        "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", "--dcp-timeout", str(CASE_TIMEOUT_S),
+        "--junitxml", str(tmp_path / "junit.xml"), "test_torchrun.py",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=240)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
-    # Each rank ran all 4 tests with the same outcomes; only rank 0 printed its summary.
-    assert output.count("2 failed, 2 passed") == 1, output
-    rank_one_errors = [line for line in output.splitlines() if "[rank 1] ValueError: planted failure on rank 1" in line]
-    assert rank_one_errors, output
-    # Rank 1 failed before the collective: rank 0's collective timed out after
-    # --dcp-timeout and both ranks reported, instead of hanging.
-    assert "failing ranks [0, 1]" in output and "Timed out" in output, output
+    assert (tmp_path / "junit.xml").exists(), output
+    return proc.returncode, output, _outcomes(tmp_path / "junit.xml"), time.perf_counter() - started
+
+
+def test_ranks_agree_and_only_rank_zero_reports(torchrun_session):
+    code, output, outcomes, _ = torchrun_session
+    assert code != 0, output
+    assert output.count("6 failed, 3 passed") == 1, output  # only rank 0 printed its summary
+    assert outcomes["test_01_passes[W2]"][0] == "passed"
+    after, before = outcomes["test_02_rank_one_fails[W2-False]"], outcomes["test_02_rank_one_fails[W2-True]"]
+    assert after[0] == before[0] == "failed"
+    assert "failing ranks [1]; ranks [0] passed" in after[1]
+    assert "[rank 1] ValueError: planted failure on rank 1" in after[1]
+    # Rank 1 failed before the collective: rank 0 is stopped 3 s later, not at the timeout.
+    assert "failing ranks [1]; ranks [0] did not finish: still running after a peer failed" in before[1]
+
+
+def test_stuck_rank_fails_at_the_timeout_and_the_next_test_passes(torchrun_session):
+    _, output, outcomes, _ = torchrun_session
+    outcome, message, seconds = outcomes["test_03_stuck_rank[W2]"]
+    assert outcome == "failed", output
+    assert "stage=harness | W=2 | device=cpu/gloo | impl=port | mode=torchrun | seed=" in message
+    assert f"ranks [0, 1] did not finish: timed out after {CASE_TIMEOUT_S} s" in message
+    assert "[rank 1] Python stacks at the timeout" in message and "sleep_on_rank" in message
+    assert "[rank 0] Python stacks at the timeout" in message and "all_reduce" in message
+    assert seconds < CASE_TIMEOUT_S + 3
+    assert outcomes["test_04_after_a_stuck_rank[W2]"][0] == "passed", output
+
+
+def test_rank_leaving_a_case_early_is_reported_with_its_cause(torchrun_session):
+    _, output, outcomes, _ = torchrun_session
+    for name, raised in (
+        ("test_05_system_exit[W2]", "SystemExit: 0"),
+        ("test_06_keyboard_interrupt[W2]", "KeyboardInterrupt"),
+    ):
+        outcome, message, _ = outcomes[name]
+        assert outcome == "failed", output
+        assert f"[rank 1] {raised}" in message and "left the case early" in message, message
+        assert "leave_on_rank" in message  # its own case's traceback, not another test's
+    assert outcomes["test_07_after_leaving[W2]"][0] == "passed", output
+
+
+def test_rank_exiting_mid_case_is_named_and_the_session_stops(torchrun_session):
+    _, output, outcomes, wall = torchrun_session
+    outcome, message, _ = outcomes["test_08_os_exit[W2]"]
+    assert outcome == "failed", output
+    assert "[rank 1] worker died: called os._exit(7) during the case" in message, message
+    assert "the session stops after this test" in message
+    assert "test_09_never_runs[W2]" not in outcomes
+    assert wall < 60, output

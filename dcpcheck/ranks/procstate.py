@@ -1,0 +1,32 @@
+"""What a process is doing, read from ``/proc``, for failure messages about
+a rank that does not answer."""
+
+from __future__ import annotations
+
+# /proc/<pid>/stat state letters, as a failure message says them.
+STATES = {
+    "R": "is running but does not answer (busy, e.g. a loop holding the GIL)",
+    "S": "is sleeping and does not answer",
+    "D": "is in an uninterruptible wait (I/O or a driver call)",
+    "T": "is stopped (SIGSTOP or SIGTSTP)",
+    "t": "is stopped by a debugger",
+    "Z": "has exited (not yet reaped)",
+    "X": "has exited",
+}
+
+
+def process_state_letter(pid: int) -> str | None:
+    """The state letter of ``pid``, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]  # the command name may hold spaces and parentheses
+
+
+def describe_process(pid: int) -> str:
+    letter = process_state_letter(pid)
+    if letter is None:
+        return f"(pid {pid}) has ended"
+    return f"(pid {pid}) " + STATES.get(letter, f"is in state {letter!r}")

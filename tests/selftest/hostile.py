@@ -1,0 +1,69 @@
+"""Rank functions that attack the harness itself, the way a half-finished or
+hostile implementation would: they hang, leave a case early, hold the GIL,
+stop themselves, start processes, change global state, raise monsters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.selftest.rank_functions import sum_of_ranks
+
+
+def sleep_on_rank(ctx, *, bad_rank: int) -> None:
+    """``bad_rank`` hangs in Python, outside any collective; its peers wait in one."""
+    if ctx.rank == bad_rank:
+        time.sleep(3600)
+    sum_of_ranks(ctx)
+
+
+def leave_on_rank(ctx, *, bad_rank: int, how: str, before_collective: bool = True) -> None:
+    """``bad_rank`` leaves the case early: ``SystemExit``, ``KeyboardInterrupt`` or ``os._exit``."""
+    if not before_collective:
+        sum_of_ranks(ctx)
+    if ctx.rank == bad_rank:
+        if how == "SystemExit":
+            raise SystemExit(0)
+        if how == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        os._exit(7)
+    if before_collective:
+        sum_of_ranks(ctx)
+
+
+def spin_holding_the_gil(ctx, *, marker: str) -> None:
+    """A busy loop in C that never releases the GIL, so no Python thread of
+    this process (an orphan guard, a signal handler) runs again."""
+    Path(f"{marker}.{ctx.rank}").write_text(str(os.getpid()))
+    sum(range(10**15))
+
+
+def stop_myself(ctx, *, bad_rank: int) -> None:
+    if ctx.rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    sum_of_ranks(ctx)
+
+
+def start_processes(ctx, *, pid_file: str, then_hang: bool = False) -> None:
+    """Start a child, a child in a new session and a daemon (double fork); write their pids."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    child = subprocess.Popen(sleeper)
+    session_child = subprocess.Popen(sleeper, start_new_session=True)
+    daemonizer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; print(subprocess.Popen(sys.argv[1:], start_new_session=True).pid)",
+            *sleeper,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    daemon_pid = int(daemonizer.communicate()[0])
+    Path(f"{pid_file}.{ctx.rank}").write_text(f"{child.pid} {session_child.pid} {daemon_pid}")
+    if then_hang:
+        time.sleep(3600)
