@@ -9,9 +9,17 @@ A mutant counts as killed only when a test FAILED (pytest exit code 1 with a
 <failure> in the JUnit XML). A collection error, a usage error, a crash of
 pytest, the wall-clock limit, or a stale patch (its old text no longer occurs
 exactly once in the port; such a mutant is not run) make it *broken*: not
-killed. Exit code 0 only when every mutant is killed and the clean port passes.
+killed. With ``--seeds 0,1,2`` every target runs once per ``--dcp-seed``: a
+mutant counts as killed only when every seed kills it, and the clean port must
+pass at every seed. Exit code 0 only when every mutant is killed and the clean
+port passes.
+
+The "field bugs" section follows the matrix: each public DCP bug report of
+docs/field-bugs.md, caught (every mutant carrying its root cause killed),
+survived, or not expressible (with the document's reason).
 
     .venv/bin/python tools/mutation_report.py --jobs 2 --markdown reports/mutation.md
+    .venv/bin/python tools/mutation_report.py --seeds 0,1,2 --only PagesCeilOffByOne
     .venv/bin/python tools/mutation_report.py --show OwnerModW   # the mutant's diff
 """
 
@@ -78,6 +86,7 @@ class Run:
     target: Target
     returncode: int | None  # None: not run, or stopped at the wall-clock limit
     seconds: float
+    seed: int = 0
     output_tail: str = ""
     cases: list[TestCase] = field(default_factory=list)
 
@@ -118,6 +127,52 @@ class Run:
         return f"pytest exit code {self.returncode}: {last_line}"
 
 
+KILLS = ("killed", "killed*")
+
+
+@dataclass
+class Outcome:
+    """A target's runs, one per seed: a mutant is killed only if every seed
+    kills it, and the clean port passes only if every seed passes."""
+
+    runs: list[Run]
+
+    @property
+    def target(self) -> Target:
+        return self.runs[0].target
+
+    @property
+    def deciding(self) -> Run:
+        """The first run that did not kill (clean port: did not pass), else the first."""
+        good = KILLS if self.target.is_mutant else ("passes",)
+        return next((run for run in self.runs if run.verdict not in good), self.runs[0])
+
+    @property
+    def verdict(self) -> str:
+        verdicts = {run.verdict for run in self.runs}
+        if self.target.is_mutant and verdicts <= set(KILLS):
+            return "killed*" if "killed*" in verdicts else "killed"
+        return self.deciding.verdict
+
+    @property
+    def seconds(self) -> float:
+        return sum(run.seconds for run in self.runs)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.deciding.returncode
+
+    def explain(self, limit: float) -> str:
+        text = self.deciding.explain(limit)
+        if len(self.runs) == 1:
+            return text
+        if self.verdict in KILLS or self.verdict == "passes":
+            return f"seeds {','.join(str(run.seed) for run in self.runs)}; seed {self.deciding.seed}: {text}"
+        killing = [str(run.seed) for run in self.runs if run.verdict in KILLS]
+        also = f" (killed at seed {','.join(killing)})" if killing else ""
+        return f"seed {self.deciding.seed}: {text}{also}"
+
+
 def load_targets(only: list[str]) -> list[Target]:
     from dcpcheck.mutants.catalog import MUTANTS
 
@@ -149,9 +204,9 @@ def show(name: str) -> int:
     return 0
 
 
-def pytest_command(target: Target, junit: Path, args) -> list[str]:
+def pytest_command(target: Target, junit: Path, args, seed: int) -> list[str]:
     command = [sys.executable, "-m", "pytest", *target.dirs, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    command += ["--dcp-impl", target.spec, "--dcp-timeout", f"{args.dcp_timeout:g}"]
+    command += ["--dcp-impl", target.spec, "--dcp-timeout", f"{args.dcp_timeout:g}", "--dcp-seed", str(seed)]
     if target.is_mutant:
         command.append("-x")  # the first failure kills it; the clean port runs every test
     if args.world_sizes:
@@ -159,16 +214,16 @@ def pytest_command(target: Target, junit: Path, args) -> list[str]:
     return command
 
 
-def run_target(target: Target, workdir: Path, args) -> Run:
+def run_target(target: Target, workdir: Path, args, seed: int) -> Run:
     if target.stale:
-        return Run(target, None, 0.0)
-    junit = workdir / f"{target.name}.xml"
+        return Run(target, None, 0.0, seed)
+    junit = workdir / f"{target.name}-seed{seed}.xml"
     # The report checks every stage: an inherited stage limit would skip tests.
     env = {key: value for key, value in os.environ.items() if key != STAGE_ENV}
     start = time.perf_counter()
     # A session of its own: at the limit one killpg ends pytest and everything it started.
     process = subprocess.Popen(
-        pytest_command(target, junit, args),
+        pytest_command(target, junit, args, seed),
         cwd=ROOT,
         env=env,
         start_new_session=True,
@@ -183,7 +238,7 @@ def run_target(target: Target, workdir: Path, args) -> Run:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         returncode = None
-    run = Run(target, returncode, time.perf_counter() - start, output[-4000:])
+    run = Run(target, returncode, time.perf_counter() - start, seed, output[-4000:])
     if junit.exists():
         run.cases = read_junit(junit)
     return run
@@ -233,9 +288,11 @@ def read_junit(path: Path) -> list[TestCase]:
     return cases
 
 
-def stage_cell(run: Run, stage: int) -> str:
+def stage_cell(outcome: Outcome, stage: int) -> str:
     """KILLED: a test of this stage killed the mutant; pass: this stage's tests
-    ran and passed; skip: they all skipped; -: none ran (stopped before)."""
+    ran and passed; skip: they all skipped; -: none ran (stopped before).
+    Of several seeds, the deciding run's."""
+    run = outcome.deciding
     if run.killer is not None and run.killer.stage == stage:
         return "KILLED"
     outcomes = {case.outcome for case in run.cases if case.stage == stage}
@@ -249,7 +306,7 @@ def stage_cell(run: Run, stage: int) -> str:
 HEADER = ["mutant", "stage", *STAGE_COLUMNS.values(), "verdict", "s", "killed by / why"]
 
 
-def matrix_rows(runs: list[Run], limit: float) -> list[list[str]]:
+def matrix_rows(runs: list[Outcome], limit: float) -> list[list[str]]:
     return [
         [
             run.target.name,
@@ -281,7 +338,7 @@ def format_markdown(rows: list[list[str]], descriptions: dict[str, str], totals:
     return "\n".join([*lines, "", *(f"- {line}" for line in totals)]) + "\n"
 
 
-def summary(mutant_runs: list[Run], clean: Run, seconds: float, limit: float) -> list[str]:
+def summary(mutant_runs: list[Outcome], clean: Outcome, seconds: float, limit: float) -> list[str]:
     def named(verdict: str) -> list[str]:
         return [run.target.name for run in mutant_runs if run.verdict == verdict]
 
@@ -298,6 +355,48 @@ def summary(mutant_runs: list[Run], clean: Run, seconds: float, limit: float) ->
     lines.append(f"clean port: {clean.verdict} ({clean.explain(limit)}, {clean.seconds:.0f} s)")
     lines.append(f"wall time: {seconds:.0f} s")
     return lines
+
+
+FIELD_HEADER = ["#", "report", "field bug", "mutants / why not"]
+
+
+def field_rows(outcomes: dict[str, Outcome]) -> list[list[str]]:
+    """One row per report of docs/field-bugs.md: caught (every mutant carrying
+    its root cause killed), survived, broken, not run, or not expressible."""
+    from dcpcheck.mutants.field import EQUIVALENT_PATCHES, field_reports
+
+    rows = []
+    for report in field_reports():
+        verdicts = {name: outcomes[name].verdict if name in outcomes else "not run" for name in report.mutants}
+        if not verdicts:
+            reasons = [f"{name}: {EQUIVALENT_PATCHES[name]}" for name in report.equivalent] or [report.reason]
+            rows.append([str(report.number), report.link, "not expressible", "; ".join(reasons)])
+            continue
+        missed = [verdict for verdict in ("survived", "broken", "not run") if verdict in verdicts.values()]
+        status = missed[0] if missed else "caught"
+        named = [f"{name} {verdict}" for name, verdict in verdicts.items()]
+        named += [f"{name} equivalent" for name in report.equivalent]
+        rows.append([str(report.number), report.link, status, ", ".join(named)])
+    return rows
+
+
+def field_summary(rows: list[list[str]]) -> str:
+    counts = {status: sum(row[2] == status for row in rows) for status in dict.fromkeys(row[2] for row in rows)}
+    return f"field bugs: {len(rows)} reports: " + ", ".join(f"{n} {status}" for status, n in counts.items())
+
+
+def format_field_text(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [FIELD_HEADER, *rows]) for i in range(3)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3]
+        for row in [FIELD_HEADER, *rows]
+    ]
+
+
+def format_field_markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(FIELD_HEADER) + " |", "|" + "---|" * len(FIELD_HEADER)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv):
@@ -317,11 +416,22 @@ def parse_args(argv):
     parser.add_argument(
         "--limit", type=float, default=300.0, help="wall-clock seconds per pytest process (default 300)"
     )
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated --dcp-seed values; a mutant is killed only if every seed kills it (default 0)",
+    )
     parser.add_argument("--markdown", type=Path, help="also write the matrix as markdown to this path")
     parser.add_argument("--list", action="store_true", help="print the catalog and exit")
     parser.add_argument("--show", metavar="NAME", help="print the mutant's diff of the port and exit")
     args = parser.parse_args(argv)
     args.only = [name for value in args.only for name in value.split(",") if name]
+    try:
+        args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not args.seeds:
+        parser.error("--seeds: expected at least one seed")
     if args.jobs < 1:
         parser.error("--jobs: expected at least 1")
     return args
@@ -339,27 +449,37 @@ def main(argv=None) -> int:
         return 0
     clean = Target("clean-port", CLEAN_SPEC, None, None, "the embedded port, unmutated")
     start = time.perf_counter()
-    runs: dict[str, Run] = {}
+    runs: dict[str, list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="mutation-report-") as workdir, ThreadPoolExecutor(args.jobs) as pool:
         # The clean port runs every test, the longest run: it starts first.
-        futures = [pool.submit(run_target, target, Path(workdir), args) for target in [clean, *targets]]
+        futures = [
+            pool.submit(run_target, target, Path(workdir), args, seed)
+            for target in [clean, *targets]
+            for seed in args.seeds
+        ]
         for done, future in enumerate(as_completed(futures), 1):
             run = future.result()
-            runs[run.target.name] = run
-            progress = f"[{done}/{len(futures)}] {run.target.name}: {run.verdict} in {run.seconds:.0f} s"
+            runs.setdefault(run.target.name, []).append(run)
+            progress = (
+                f"[{done}/{len(futures)}] {run.target.name} seed {run.seed}: {run.verdict} in {run.seconds:.0f} s"
+            )
             print(progress, file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
 
-    mutant_runs, clean_run = [runs[target.name] for target in targets], runs[clean.name]
+    outcomes = {name: Outcome(sorted(seeded, key=lambda run: run.seed)) for name, seeded in runs.items()}
+    mutant_runs, clean_run = [outcomes[target.name] for target in targets], outcomes[clean.name]
     rows = matrix_rows(mutant_runs, args.limit)
     totals = summary(mutant_runs, clean_run, seconds, args.limit)
-    print("\n".join([*format_text(rows), "", *totals]))
+    fields = field_rows({name: outcome for name, outcome in outcomes.items() if name != clean.name})
+    totals.insert(-2, field_summary(fields))
+    print("\n".join([*format_text(rows), "", *format_field_text(fields), "", *totals]))
     if clean_run.returncode != 0:
-        print(f"\nclean port output (tail):\n{clean_run.output_tail}")
+        print(f"\nclean port output (tail):\n{clean_run.deciding.output_tail}")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(format_markdown(rows, {t.name: t.description for t in targets}, totals))
-    all_killed = all(run.verdict in ("killed", "killed*") for run in mutant_runs)
+        matrix = format_markdown(rows, {t.name: t.description for t in targets}, totals)
+        args.markdown.write_text(f"{matrix}\n## Field bugs\n\n{format_field_markdown(fields)}")
+    all_killed = all(run.verdict in KILLS for run in mutant_runs)
     return 0 if all_killed and clean_run.returncode == 0 else 1
 
 

@@ -6,12 +6,19 @@
 
 from __future__ import annotations
 
-from dcpcheck.mutants import stage1, stage3, stage3_gate, stage9
+from dcpcheck.mutants import field, stage1, stage3, stage3_gate, stage9
 from dcpcheck.mutants.loader import load
 from dcpcheck.mutants.patch import Mutant
 from dcpcheck.stages import STAGES
 
-MUTANTS: tuple[Mutant, ...] = (*stage1.MUTANTS, *stage3.MUTANTS, *stage3_gate.MUTANTS, *stage9.MUTANTS)
+# The field's bug reports as mutants (field.py) come after the catalog's own.
+MUTANTS: tuple[Mutant, ...] = (
+    *stage1.MUTANTS,
+    *stage3.MUTANTS,
+    *stage3_gate.MUTANTS,
+    *stage9.MUTANTS,
+    *field.MUTANTS,
+)
 BY_NAME: dict[str, Mutant] = {mutant.name: mutant for mutant in MUTANTS}
 
 
