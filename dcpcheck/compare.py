@@ -138,6 +138,51 @@ def assert_equal_ints(actual, expected, *, case: str, what: str, name_index) -> 
     fail_if_problems(case, what, problems, total=len(wrong))
 
 
+# ---- what a capability returns: arity, and each output's shape, dtype, device ----
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One output of a capability as the contract states it; ``dtype`` None
+    accepts any integer dtype (an index tensor whose width is free)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
+def assert_outputs(capability: str, result, expected: Sequence[Expected], *, device, context: str = ""):
+    """``result`` of ``capability`` is one tensor (one ``expected``) or a tuple
+    of as many, each of the stated shape, dtype and device; else a
+    :class:`MismatchError` naming the capability, the output and what was
+    expected. Returns ``result``."""
+    where = f" ({context})" if context else ""
+    outputs = (result,) if len(expected) == 1 else result
+    if len(expected) > 1 and not (isinstance(result, tuple | list) and len(result) == len(expected)):
+        got = (
+            f"a {type(result).__name__} of {len(result)}" if isinstance(result, tuple | list) else type(result).__name__
+        )
+        names = ", ".join(spec.name for spec in expected)
+        raise MismatchError(f"{capability} returned {got}, expected a tuple ({names}){where}")
+    problems = []
+    for spec, tensor in zip(expected, outputs):
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{spec.name} is a {type(tensor).__name__}, not a tensor")
+            continue
+        dtype_ok = tensor.dtype == spec.dtype if spec.dtype is not None else not tensor.is_floating_point()
+        want_device = torch.device(device)
+        device_ok = tensor.device.type == want_device.type and want_device.index in (None, tensor.device.index)
+        if tuple(tensor.shape) != spec.shape or not dtype_ok or not device_ok:
+            want = str(spec.dtype) if spec.dtype is not None else "an integer dtype"
+            problems.append(
+                f"{spec.name} {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
+                f"expected {spec.shape} {want} on {want_device}"
+            )
+    if problems:
+        raise MismatchError(f"{capability} returned " + "; ".join(problems) + where)
+    return result
+
+
 # ---- floating-point comparisons (tolerances live here and nowhere else) ----
 
 

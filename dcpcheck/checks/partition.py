@@ -80,13 +80,16 @@ class RankReads:
     all_counts: torch.Tensor  # [W, T]
 
 
-def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes):
+def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes, views=False):
+    """``views``: the top-k and the block tables are handed over as column
+    slices of wider buffers, as engines pass them; every check still holds,
+    and the results equal those of contiguous inputs."""
     W, r, device = ctx.world_size, ctx.rank, ctx.device
     layout = KvLayout(rho=rho, bs=bs, interleave=S, world_size=W)
     batch = build_step_batch(layout, top_k=K, seed=ctx.seed, num_decodes=num_decodes, table_slack=table_slack)
     case = (
         f"stage 1 case W={W} S={S} bs={bs} K={K} rho={rho} table_slack={table_slack} "
-        f"num_decodes={num_decodes} seed={ctx.seed}, on rank {r}"
+        f"num_decodes={num_decodes} views={views} seed={ctx.seed}, on rank {r}"
     )
     rows = TokenRows(case, batch.token_to_req, batch.row_labels)
     tables = [rank_block_table(batch, rank) for rank in range(W)]
@@ -96,8 +99,13 @@ def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes):
     # that finds a mismatch must not leave its peers waiting in a collective.
     # W = 1 is the DCP1 baseline: it gets what a DCP1 indexer produces.
     given = batch if W > 1 else dcp1_producer_batch(batch, tables[r])
-    slots, counts = filter_on_rank(ctx.impl, given, tables[r], device, world_size=W, rank=r)
-    written = slot_mapping_on_rank(ctx.impl, layout, probe.positions, probe.reqs, tables[r], device, rank=r)
+    slots, counts = filter_on_rank(ctx.impl, given, tables[r], device, world_size=W, rank=r, views=views)
+    written = slot_mapping_on_rank(
+        ctx.impl, layout, probe.positions, probe.reqs, tables[r], device, rank=r, views=views
+    )
+    if views:
+        plain_slots, plain_counts = filter_on_rank(ctx.impl, given, tables[r], device, world_size=W, rank=r)
+        plain_written = slot_mapping_on_rank(ctx.impl, layout, probe.positions, probe.reqs, tables[r], device, rank=r)
     states = state_of_slot(tables[r], slots, bs, S, W, r, req=batch.token_to_req.unsqueeze(1))
     reads = RankReads(slots, counts, states, gather_from_ranks(ctx, states), gather_from_ranks(ctx, counts.long()))
     all_written = gather_from_ranks(ctx, written[: probe.num_completing].long())
@@ -108,6 +116,11 @@ def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes):
         """Whether state ``c``'s page is inside its owner's block table row."""
         return (c >= 0) & (local_index(c, S, W) // bs < widths[owner_of_state(c, S, W).clamp(min=0)])
 
+    if views:
+        what = "given column-slice views vs contiguous inputs"
+        assert_row_sets_equal(slots, plain_slots, rows, what=f"filter_index slots {what}")
+        assert_equal_ints(counts, plain_counts, case=case, what=f"filter_index counts {what}", name_index=rows.name)
+        assert_equal_ints(written, plain_written, case=case, what=f"slot_mapping {what}", name_index=probe.name)
     check_own_reads(batch, tables[r], reads, rows, rank=r)
     dcp1_owned = check_partition_of_dcp1(ctx, batch, reads, on_kept_page, rows)
     check_write_side(batch, tables[r], reads, written, all_written, probe, on_kept_page, rows, rank=r)

@@ -7,33 +7,54 @@ from dataclasses import replace
 
 import torch
 
-from dcpcheck.compare import MismatchError
+from dcpcheck.compare import Expected, assert_outputs
 from dcpcheck.impls.conventions import conventions_of, pad_topk
 from dcpcheck.oracle.layout import filter_index_reference
 from dcpcheck.scenarios.batch import KvLayout, StepBatch
 
 
-def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: int, rank: int):
+def column_slice(tensor: torch.Tensor, device, *, extra_columns: int = 3, extra_rows: int = 2) -> torch.Tensor:
+    """``tensor`` on ``device`` as real callers hand a table over: the leading
+    block of a wider and taller buffer (``wide[:rows, :columns]``, row stride
+    above the width). The extra cells hold real-looking values (the rows
+    rolled), so reading them instead of the view's own cells gives a wrong
+    answer, not an obvious crash. Built on ``device``: there a ``.to()``
+    would copy a view into a contiguous tensor."""
+    rows, columns = tensor.shape
+    source = tensor.to(device)
+    wide = source.new_zeros(rows + extra_rows, columns + extra_columns)
+    wide[:rows, :columns] = source
+    shown = min(extra_columns, columns)
+    wide[:rows, columns : columns + shown] = source.roll(1, 0)[:, :shown]
+    wide[rows : rows + min(extra_rows, rows), :columns] = source[:extra_rows]
+    return wide[:rows, :columns]
+
+
+def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: int, rank: int, views: bool = False):
     """The implementation's ``filter_index`` for one rank -> CPU (slots, counts),
-    after checking their shape and dtype."""
+    after checking their shape, dtype and device. ``views``: the top-k and the
+    block table are given as column slices of wider buffers (:func:`column_slice`)."""
     multiple = conventions_of(impl).topk_multiple
-    slots, counts = impl.filter_index(
-        pad_topk(batch.topk, multiple).to(device),
+    topk, table = pad_topk(batch.topk, multiple).to(device), block_table.to(device)
+    if views:
+        topk, table = column_slice(topk, device), column_slice(table, device)
+    result = impl.filter_index(
+        topk,
         batch.token_to_req.to(device),
-        block_table.to(device),
+        table,
         batch.is_valid_token.to(device),
         bs=batch.layout.bs,
         world_size=world_size,
         rank=rank,
         interleave=batch.layout.interleave,
     )
-    padded_shape = (batch.num_tokens, pad_topk(batch.topk[:0], multiple).shape[1])
-    for name, tensor, shape in (("slots", slots, padded_shape), ("counts", counts, (batch.num_tokens,))):
-        if tuple(tensor.shape) != shape or tensor.dtype != torch.int32:
-            raise MismatchError(
-                f"filter_index (W={world_size}, rank {rank}) returned {name} {tuple(tensor.shape)} "
-                f"{tensor.dtype}, expected {shape} torch.int32"
-            )
+    slots, counts = assert_outputs(
+        "filter_index",
+        result,
+        [Expected("slots", tuple(topk.shape), torch.int32), Expected("counts", (batch.num_tokens,), torch.int32)],
+        device=device,
+        context=f"W={world_size}, rank {rank}",
+    )
     # Only slots[t, :counts[t]] has meaning; the padded tail is the implementation's.
     return meaningful_prefix(slots.cpu(), counts.cpu(), batch.topk.shape[1]), counts.cpu()
 
@@ -56,23 +77,30 @@ def meaningful_prefix(slots: torch.Tensor, counts: torch.Tensor, top_k: int) -> 
     return torch.where(keep, slots, -1)[:, :top_k]
 
 
-def slot_mapping_on_rank(impl, layout: KvLayout, positions, token_to_req, block_table, device, *, rank: int):
-    """The implementation's ``slot_mapping`` for one rank -> CPU [T] slots."""
+def slot_mapping_on_rank(
+    impl, layout: KvLayout, positions, token_to_req, block_table, device, *, rank: int, views: bool = False
+):
+    """The implementation's ``slot_mapping`` for one rank -> CPU [T] slots,
+    int64 as vLLM's cache writes consume them. ``views``: the block table is
+    given as a column slice of a wider buffer."""
+    table = column_slice(block_table, device) if views else block_table.to(device)
     written = impl.slot_mapping(
         positions.to(device),
         token_to_req.to(torch.int32).to(device),
-        block_table.to(device),
+        table,
         rho=layout.rho,
         bs=layout.bs,
         world_size=layout.world_size,
         rank=rank,
         interleave=layout.interleave,
     )
-    if tuple(written.shape) != tuple(positions.shape):
-        raise MismatchError(
-            f"slot_mapping (W={layout.world_size}, rank {rank}) returned shape {tuple(written.shape)}, "
-            f"expected {tuple(positions.shape)}"
-        )
+    assert_outputs(
+        "slot_mapping",
+        written,
+        [Expected("slots", tuple(positions.shape), torch.int64)],
+        device=device,
+        context=f"W={layout.world_size}, rank {rank}",
+    )
     return written.cpu()
 
 

@@ -1,7 +1,9 @@
 """What the stage-3 tests share: failure context, what the implementation says
-it cannot run."""
+it cannot run, and inputs as strided views the way engines hand them over."""
 
 from __future__ import annotations
+
+import torch
 
 from dcpcheck.checks.cases import case_terms
 from dcpcheck.stages import STAGE_COMBINE
@@ -20,3 +22,18 @@ def combine_unavailable_reason(ctx, **case) -> str | None:
     if ask is None:
         return None
     return ask(case_terms(device=ctx.device.type, world_size=ctx.world_size, capabilities=("combine",), case=case))
+
+
+def transposed_view(lse: torch.Tensor, device) -> torch.Tensor:
+    """[T, H] as FlashMLA hands its LSE over: the transposed view of a [H, T]
+    buffer on ``device`` (strides (1, T)). Built there: a ``.to()`` of a view
+    copies it into a contiguous tensor."""
+    return lse.to(device).t().contiguous().t()
+
+
+def padded_view(x: torch.Tensor, device, *, extra: int = 8) -> torch.Tensor:
+    """``x`` [..., D] on ``device`` as the leading D columns of a wider buffer
+    whose other columns hold NaN: the row stride is above D, and reading past
+    D poisons the result."""
+    wide = torch.cat([x.to(device), torch.full((*x.shape[:-1], extra), float("nan"), dtype=x.dtype, device=device)], -1)
+    return wide[..., : x.shape[-1]]

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
-from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
+from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import combine_unavailable_reason, failure_context
+from tests.stage3_combine.common import combine_unavailable_reason, failure_context, padded_view, transposed_view
 
 # Every case combines synthetic_partials, whose rows 5 and 6 hold LSEs near 150.
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("lse_near_150")]
@@ -55,15 +55,22 @@ def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: 
     return outs.to(dtype), lses
 
 
-def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim):
+def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, views=False):
     """One rank: its backend's result vs the oracle merge (out and LSE of its
     heads), return_lse=False vs True, and the other backend, unless the
-    implementation says that one cannot run here."""
+    implementation says that one cannot run here. ``views``: the partial
+    output is the leading columns of a wider buffer and the LSE the
+    transposed view of a [H, T] buffer, as engines hand them over."""
     dtype = DTYPES[dtype_name]
     base = LSE_BASES[lse_base]
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads, D=head_dim)
+    context = failure_context(
+        ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads, D=head_dim, views=views
+    )
     outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, num_heads, dtype, head_dim)
-    out, lse = outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device)
+    if views:
+        out, lse = padded_view(outs[ctx.rank], ctx.device), transposed_view(lses[ctx.rank], ctx.device)
+    else:
+        out, lse = outs[ctx.rank].to(ctx.device), lses[ctx.rank].to(ctx.device)
 
     if num_heads % ctx.world_size:
         with pytest.raises(ValueError, match=rf"H={num_heads}.*W={ctx.world_size}.*accepted"):
@@ -81,16 +88,26 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim):
     heads = own_heads(ctx, num_heads)
     report = {"context": context, "offsets": (0, heads.start, 0)}  # global head ids in messages
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
-    merged, merged_lse = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
-    if merged.dtype != dtype or merged_lse.dtype != torch.float32:
-        raise MismatchError(
-            f"combine returned {merged.dtype} out / {merged_lse.dtype} lse, "
-            f"expected {dtype} / torch.float32 ({context})"
-        )
+    out_type = Expected("out", (NUM_TOKENS, heads.stop - heads.start, head_dim), dtype)
+    lse_type = Expected("lse", (NUM_TOKENS, heads.stop - heads.start), torch.float32)
+    where = format_context(context)
+    merged, merged_lse = assert_outputs(
+        "combine(return_lse=True)",
+        ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
+        [out_type, lse_type],
+        device=ctx.device,
+        context=where,
+    )
     stats = assert_close(merged, want_out[:, heads], what="combined output vs oracle merge", **report)
     assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE vs oracle merge", **report)
 
-    only_out = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base)
+    only_out = assert_outputs(
+        "combine(return_lse=False)",
+        ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base),
+        [out_type],
+        device=ctx.device,
+        context=where,
+    )
     assert_close(only_out, merged, what="combine(return_lse=False) vs return_lse=True", **report)
 
     other = "a2a" if backend == "ag_rs" else "ag_rs"
@@ -118,6 +135,26 @@ def test_combine_matches_oracle_merge(dcp, backend, lse_base, dtype_name):
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_combine_non_power_of_two_head_dim(dcp, backend, dtype_name):
     dcp.run(check_combine, backend=backend, lse_base="2", dtype_name=dtype_name, num_heads=8, head_dim=ODD_HEAD_DIM)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize(
+    "backend, lse_base, dtype_name",
+    [("ag_rs", "2", "fp32"), ("ag_rs", "e", "fp32"), ("a2a", "2", "fp32"), ("a2a", "e", "fp32"), ("a2a", "2", "bf16")],
+)
+def test_combine_given_views(dcp, backend, lse_base, dtype_name):
+    """Partials as engines hand them over: the output as the leading D columns
+    of a wider buffer, the LSE as the transposed view of a [H, T] buffer
+    (FlashMLA returns [b, h, s]); bf16 packs the LSE as two a2a columns."""
+    dcp.run(
+        check_combine,
+        backend=backend,
+        lse_base=lse_base,
+        dtype_name=dtype_name,
+        num_heads=8,
+        head_dim=HEAD_DIM,
+        views=True,
+    )
 
 
 @pytest.mark.world_sizes(1)

@@ -17,18 +17,18 @@ import pytest
 import torch
 
 from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
-from dcpcheck.checks.stage1 import stage1_slots
-from dcpcheck.compare import MismatchError, assert_close, assert_lse_close
+from dcpcheck.checks.stage1 import column_slice, stage1_slots
+from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, build_step_batch, dcp1_block_table, rank_block_table
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import failure_context
+from tests.stage3_combine.common import failure_context, padded_view, transposed_view
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
-    pytest.mark.needs("gather_heads", "partial_attention", "combine", "dcp_attention"),
+    pytest.mark.needs("gather_heads", "sparse_attention", "partial_attention", "combine", "dcp_attention"),
 ]
 
 RHO = 4
@@ -39,7 +39,10 @@ WINDOW = 8
 TOKEN_CHUNK = 5  # splits the batch into uneven sub-chunks
 
 
-def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs):
+def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs, views=False):
+    """``views``: q, the slots and the partial LSE are handed over as strided
+    views (q as the leading columns of a wider buffer, slots as column slices,
+    the LSE as the transposed view of a [H, T] buffer); every check holds."""
     dtype, base, device, impl = DTYPES[dtype_name], LSE_BASES[lse_base], ctx.device, ctx.impl
     W, rank = ctx.world_size, ctx.rank
     layout = KvLayout(rho=RHO, bs=bs, interleave=interleave, world_size=W)
@@ -48,7 +51,11 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
         batch, num_heads=NUM_HEADS, head_dim=HEAD_DIM, window=WINDOW, dtype=dtype, seed=ctx.seed + 1
     )
     heads = own_heads(ctx, NUM_HEADS)
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, S=interleave, bs=bs)
+    context = failure_context(
+        ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, S=interleave, bs=bs, views=views
+    )
+    where = format_context(context)
+    num_tokens, heads_local = batch.num_tokens, heads.stop - heads.start
     labels = batch.row_labels
     worst = {}  # what -> worst |err| / allowed, returned for the summary
 
@@ -58,15 +65,33 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
         stats = compare(actual, expected, what=what, context=context, row_labels=labels, offsets=offsets)
         worst[what] = stats.worst_ratio
 
+    def outputs(capability, result, *expected):
+        return assert_outputs(capability, result, expected, device=device, context=where)
+
+    out_type = Expected("out", (num_tokens, NUM_HEADS, HEAD_DIM), dtype)
+    lse_type = Expected("lse", (num_tokens, NUM_HEADS), torch.float32)
+    local_type = Expected("out", (num_tokens, heads_local, HEAD_DIM), dtype)
+
     table = rank_block_table(batch, rank)
     slots = stage1_slots(batch, table, world_size=W, rank=rank).to(device)
     comp_cache = comp_cache_for(batch, inputs, table, rank=rank, world_size=W).to(device)
     swa_cache, swa_slots = inputs.swa_cache.to(device), inputs.swa_slots.to(device)
-    q_local, sink_local = inputs.q[:, heads].to(device), inputs.sink[heads].to(device)
+    # A rank's heads of q, as a view of the full q on the device (on CPU a .to() keeps the view anyway).
+    q_local, sink_local = inputs.q.to(device)[:, heads], inputs.sink.to(device)[heads]
+    if views:
+        slots, swa_slots = column_slice(slots, device), column_slice(swa_slots, device)
 
     # 1. The head gather restores every head in TP order, exactly.
-    q = impl.gather_heads(q_local, ctx.group, dim=1)
-    sink = impl.gather_heads(sink_local, ctx.group, dim=0)
+    q = outputs(
+        "gather_heads",
+        impl.gather_heads(q_local, ctx.group, dim=1),
+        Expected("q", (num_tokens, NUM_HEADS, HEAD_DIM), dtype),
+    )
+    sink = outputs(
+        "gather_heads",
+        impl.gather_heads(sink_local, ctx.group, dim=0),
+        Expected("sinks", (NUM_HEADS,), inputs.sink.dtype),
+    )
     for name, got, want in (("q", q, inputs.q), ("sinks", sink, inputs.sink)):
         if got.shape != want.shape or not torch.equal(got.cpu(), want):
             raise MismatchError(
@@ -75,7 +100,14 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
             )
 
     # 2. The partial covers exactly this rank's candidates; window and sink on rank 0 only.
-    out, lse = impl.partial_attention(q, comp_cache, slots, swa_cache, swa_slots, sink, scale=inputs.scale, rank=rank)
+    if views:
+        q = padded_view(q, device)
+    out, lse = outputs(
+        "partial_attention",
+        impl.partial_attention(q, comp_cache, slots, swa_cache, swa_slots, sink, scale=inputs.scale, rank=rank),
+        out_type,
+        lse_type,
+    )
     on_rank0 = rank == 0
     want_out, want_lse = oracle.sparse_attention(
         inputs.q,
@@ -104,7 +136,14 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
         lse_base=base,
     )
     partial_lse = oracle.convert_lse_base(lse, from_base=2.0, to_base=base).float().to(device)
-    merged, merged_lse = impl.combine(out, partial_lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
+    if views:
+        partial_lse = transposed_view(partial_lse, device)
+    merged, merged_lse = outputs(
+        "combine",
+        impl.combine(out, partial_lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
+        local_type,
+        Expected("lse", (num_tokens, heads_local), torch.float32),
+    )
     check(merged, dcp1_out[:, heads], "combined output vs float64 DCP1 oracle")
     check(merged_lse, dcp1_lse[:, heads], "combined LSE vs float64 DCP1 oracle", lse=True)
     other = "a2a" if backend == "ag_rs" else "ag_rs"
@@ -112,13 +151,28 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     check(other_out, merged, f"{other} vs {backend} output")
     check(other_lse, merged_lse, f"{other} vs {backend} LSE", lse=True)
 
-    # 4. The implementation's own DCP1 path (W = 1: every candidate, window and sink here).
+    # 4. The implementation's own DCP1 paths (W = 1: every candidate, window and
+    # sink here): sparse attention called directly, and dcp_attention.
+    dcp1_slots_here = column_slice(dcp1_slots, device) if views else dcp1_slots.to(device)
+    sparse_out, sparse_lse = outputs(
+        "sparse_attention",
+        impl.sparse_attention(
+            inputs.q.to(device), dcp1_cache.to(device), dcp1_slots_here, swa_cache, swa_slots, sink, scale=inputs.scale
+        ),
+        out_type,
+        lse_type,
+    )
+    check(sparse_out, dcp1_out, "sparse_attention over every candidate vs float64 DCP1 oracle", all_heads=True)
+    sparse_lse_in_base = oracle.convert_lse_base(sparse_lse, from_base=2.0, to_base=base)
+    check(
+        sparse_lse_in_base, dcp1_lse, "sparse_attention LSE (base 2) vs float64 DCP1 oracle", lse=True, all_heads=True
+    )
     single_rank = DcpGroup.single_rank(device)
     port_dcp1 = impl.dcp_attention(
         inputs.q.to(device),
         inputs.sink.to(device),
         dcp1_cache.to(device),
-        dcp1_slots.to(device),
+        dcp1_slots_here,
         swa_cache,
         swa_slots,
         single_rank,
@@ -129,7 +183,7 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     # 5. The whole path, unchunked and in sub-chunks, equals the steps above.
     for token_chunk in (None, TOKEN_CHUNK):
         whole = impl.dcp_attention(
-            q_local,
+            padded_view(q_local, device) if views else q_local,
             sink_local,
             comp_cache,
             slots,
@@ -140,6 +194,7 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
             backend=backend,
             token_chunk=token_chunk,
         )
+        outputs(f"dcp_attention(token_chunk={token_chunk})", whole, local_type)
         check(whole, merged, f"dcp_attention(token_chunk={token_chunk}) vs gather + partial + combine")
     return {"worst_ratio": max(worst.values()), "worst_check": max(worst, key=worst.get)}
 
@@ -161,4 +216,18 @@ def test_sharded_attention_matches_dcp1(dcp, backend, lse_base, dtype_name, inte
         dtype_name=dtype_name,
         interleave=interleave,
         bs=bs,
+    )
+
+
+@pytest.mark.parametrize("backend, lse_base", [("ag_rs", "e"), ("a2a", "2")])
+def test_sharded_attention_given_views(dcp, backend, lse_base):
+    """q, slots and the partial LSE as strided views, as engines hand them over."""
+    dcp.run(
+        check_sharded_attention,
+        backend=backend,
+        lse_base=lse_base,
+        dtype_name="fp32",
+        interleave=2,
+        bs=4,
+        views=True,
     )

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dcpcheck.checks.prefill import prefill_step
-from dcpcheck.compare import MismatchError, assert_equal_ints, fail_if_problems
+from dcpcheck.checks.stage1 import column_slice
+from dcpcheck.compare import Expected, MismatchError, assert_equal_ints, assert_outputs, fail_if_problems
 from dcpcheck.oracle.prefill import gather_geometry, gathered_slot, remap_reference
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS
 from dcpcheck.stages import STAGE_PREFILL
@@ -32,6 +33,14 @@ def request_name(req: int) -> str:
 
 def check_geometry(ctx, step, geometry, expected) -> None:
     batch = step.batch
+    per_request = [Expected(name, (batch.num_requests,), None) for name in ("pages", "bases")]
+    assert_outputs(
+        "prefill_geometry", (geometry.pages, geometry.bases), per_request, device=ctx.device, context=step.case
+    )
+    if not isinstance(geometry.total_pages, int):
+        raise MismatchError(
+            f"{step.case}: prefill_geometry's total_pages is a {type(geometry.total_pages).__name__}, expected an int"
+        )
     for field in ("pages", "bases"):
         assert_equal_ints(
             getattr(geometry, field).cpu(),
@@ -47,8 +56,9 @@ def check_geometry(ctx, step, geometry, expected) -> None:
 def check_remap(ctx, step, geometry, expected) -> None:
     batch, layout = step.batch, step.batch.layout
     device = ctx.device
-    slots, counts = ctx.impl.prefill_remap(
-        batch.topk.to(device),
+    topk = column_slice(batch.topk, device) if step.context.get("views") else batch.topk.to(device)
+    result = ctx.impl.prefill_remap(
+        topk,
         batch.token_to_req.to(device),
         batch.is_valid_token.to(device),
         geometry,
@@ -65,9 +75,13 @@ def check_remap(ctx, step, geometry, expected) -> None:
         S=layout.interleave,
         W=ctx.world_size,
     )
-    for name, tensor in (("slots", slots), ("counts", counts)):
-        if tensor.dtype != torch.int32:
-            raise MismatchError(f"{step.case}: prefill_remap returned {name} {tensor.dtype}, expected torch.int32")
+    slots, counts = assert_outputs(
+        "prefill_remap",
+        result,
+        [Expected("slots", tuple(batch.topk.shape), torch.int32), Expected("counts", (batch.num_tokens,), torch.int32)],
+        device=device,
+        context=step.case,
+    )
     requests, positions, topk = batch.token_to_req.tolist(), batch.positions.tolist(), batch.topk.tolist()
 
     def name_entry(t: int, k: int) -> str:
@@ -95,10 +109,10 @@ def check_remap(ctx, step, geometry, expected) -> None:
 def check_buffer(ctx, step, geometry, expected) -> None:
     """The gathered buffer holds every state of every request at its oracle slot."""
     batch, layout, inputs = step.batch, step.batch.layout, step.inputs
-    buffer = ctx.impl.prefill_gather(step.comp_cache, step.block_table, geometry, ctx.group, bs=layout.bs).cpu()
-    want_shape = (expected.total_pages * layout.bs, inputs.states.shape[1])
-    if tuple(buffer.shape) != want_shape:
-        raise MismatchError(f"{step.case}: gathered buffer {tuple(buffer.shape)}, expected {want_shape}")
+    table = column_slice(step.block_table, ctx.device) if step.context.get("views") else step.block_table
+    buffer = ctx.impl.prefill_gather(step.comp_cache, table, geometry, ctx.group, bs=layout.bs)
+    want = Expected("buffer", (expected.total_pages * layout.bs, inputs.states.shape[1]), step.comp_cache.dtype)
+    buffer = assert_outputs("prefill_gather", buffer, [want], device=ctx.device, context=step.case).cpu()
     num_states = batch.num_states
     req = torch.repeat_interleave(torch.arange(batch.num_requests), num_states)
     c = torch.arange(req.numel()) - inputs.state_offsets[req]
@@ -110,11 +124,13 @@ def check_buffer(ctx, step, geometry, expected) -> None:
     fail_if_problems(step.case, "gathered buffer contents vs every rank's states", problems, total=len(wrong))
 
 
-def check_gather_layout(ctx, *, rho, S, bs, K):
+def check_gather_layout(ctx, *, rho, S, bs, K, views=False):
     """Geometry, remap and buffer, each judged against the oracle; all three
     always run (every rank joins the gather) and their problems are reported
-    together, so a wrong page count also shows the ids it misplaces."""
-    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K)
+    together, so a wrong page count also shows the ids it misplaces.
+    ``views``: the top-k and the block table are column slices of wider
+    buffers, as engines hand them over."""
+    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, views=views)
     expected = gather_geometry(step.batch.seq_lens, rho=rho, bs=bs, W=ctx.world_size)
     geometry = ctx.impl.prefill_geometry(step.batch.seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=ctx.world_size)
     problems = []
@@ -133,3 +149,46 @@ def check_gather_layout(ctx, *, rho, S, bs, K):
 )
 def test_gather_layout_matches_oracle(dcp, rho, S, bs, K):
     dcp.run(check_gather_layout, rho=rho, S=S, bs=bs, K=K)
+
+
+@pytest.mark.parametrize("rho, S, bs, K", [(4, 2, 8, 16), (128, 1, 2, 8)])
+def test_gather_layout_given_views(dcp, rho, S, bs, K):
+    """Top-k and block table as column slices of wider buffers (row stride above the width)."""
+    dcp.run(check_gather_layout, rho=rho, S=S, bs=bs, K=K, views=True)
+
+
+def check_geometry_at_page_edges(ctx):
+    """pages_i and base_i at and around every virtual-block edge, for W = 1,
+    2, 4, 8 and two page sizes: state counts k*bs*W - 1, k*bs*W and
+    k*bs*W + 1 (k = 0, 1, 2, so also a request with no state), each with no
+    token and with rho - 1 tokens toward the next state. Fixed lengths: an
+    off-by-one at an exact multiple fails at every seed, not at the seeds
+    whose random lengths happen to land on one."""
+    problems = []
+    for world_size in (1, 2, 4, 8):
+        for rho, bs in ((4, 2), (128, 4)):
+            edge = bs * world_size
+            states = sorted({max(k * edge + d, 0) for k in (0, 1, 2) for d in (-1, 0, 1)})
+            seq_lens = torch.tensor([s * rho + extra for s in states for extra in (0, rho - 1)])
+            geometry = ctx.impl.prefill_geometry(seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=world_size)
+            expected = gather_geometry(seq_lens, rho=rho, bs=bs, W=world_size)
+            names = [f"request of {length} tokens ({length // rho} states)" for length in seq_lens.tolist()]
+            case = f"stage=9 prefill_geometry W={world_size} rho={rho} bs={bs} (virtual block of {edge} states)"
+            for field in ("pages", "bases"):
+                try:
+                    assert_equal_ints(
+                        getattr(geometry, field).cpu(),
+                        getattr(expected, field),
+                        case=case,
+                        what=f"{field} at the virtual-block edges vs the oracle",
+                        name_index=names.__getitem__,
+                    )
+                except MismatchError as exc:
+                    problems.append(str(exc))
+    if problems:
+        raise MismatchError("\n".join(problems))
+
+
+@pytest.mark.world_sizes(1)  # the geometry is a per-step formula: one rank asks it for every W
+def test_geometry_at_page_edges(dcp):
+    dcp.run(check_geometry_at_page_edges)
