@@ -41,7 +41,7 @@ def parse_stage(raw: str | None) -> int | None:
     if raw is None or raw.strip() == "":
         return None
     text = raw.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit() alone accepts '³' and '٣'
         raise StageValueError(
             f"{STAGE_ENV}={raw!r} is not a stage: accepted values are a "
             f"non-negative integer N (tests of stages <= N run, later ones are "

@@ -50,6 +50,15 @@ ACCEPTED = (
 )
 
 
+def _one_line(exc: BaseException) -> str:
+    """``ExcType: message`` on one line (a usage error is one line)."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a hostile __str__ must not turn a usage error into a crash
+        message = "<str() of the exception raised>"
+    return " ".join(f"{type(exc).__name__}: {message}".split())
+
+
 def _import_file(path: Path):
     name = "dcpcheck_user_impl_" + str(abs(hash(str(path.resolve()))))
     if name in sys.modules:
@@ -57,26 +66,38 @@ def _import_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a half-executed module must not be found by the next load
+        raise
     return module
+
+
+def _import_target(spec: str, target: str):
+    """The module ``target`` names; anything it raises while importing is a usage error."""
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ImplSpecError(f"--dcp-impl {spec!r}: no such file {target!r}; accepted: {ACCEPTED}")
+    try:
+        return _import_file(path) if target.endswith(".py") else importlib.import_module(target)
+    except ImportError as exc:
+        raise ImplSpecError(
+            f"--dcp-impl {spec!r}: cannot import module {target!r} ({_one_line(exc)}); accepted: {ACCEPTED}"
+        ) from exc
+    except Exception as exc:  # a broken module (a syntax error, raising at import) is the user's input
+        raise ImplSpecError(
+            f"--dcp-impl {spec!r}: importing {target!r} raised {_one_line(exc)}; fix it, or pick another "
+            f"implementation; accepted: {ACCEPTED}"
+        ) from exc
 
 
 def _resolve_attr(spec: str):
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ImplSpecError(f"--dcp-impl {spec!r}: no such file {target!r}; accepted: {ACCEPTED}")
-        module = _import_file(path)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ImplSpecError(
-                f"--dcp-impl {spec!r}: cannot import module {target!r} ({exc}); accepted: {ACCEPTED}"
-            ) from exc
+    module = _import_target(spec, target)
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -87,13 +108,28 @@ def _resolve_attr(spec: str):
 def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
     if spec in BUILTIN:
-        return BUILTIN[spec]()
+        try:
+            return BUILTIN[spec]()
+        except ImportError as exc:
+            raise ImplSpecError(
+                f"--dcp-impl {spec}: a module it needs is missing ({_one_line(exc)}); install it "
+                f"(for vllm: tools/install_vllm_cpu.sh .venv), or pick another implementation; accepted: {ACCEPTED}"
+            ) from exc
     if spec == "dsv41" or spec.startswith("dsv41:"):
         return _dsv41_tree(spec)
     if ":" not in spec:
         raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
     found = _resolve_attr(spec)
-    impl = found() if isinstance(found, type) or (callable(found) and not _looks_like_impl(found)) else found
+    if isinstance(found, type) or (callable(found) and not _looks_like_impl(found)):
+        try:
+            impl = found()
+        except Exception as exc:  # a constructor that raises is a broken --dcp-impl
+            raise ImplSpecError(
+                f"--dcp-impl {spec!r}: calling {getattr(found, '__name__', repr(found))}() "
+                f"raised {_one_line(exc)}; it must build the implementation with no arguments"
+            ) from exc
+    else:
+        impl = found
     if not _looks_like_impl(impl):
         raise ImplSpecError(
             f"--dcp-impl {spec!r} resolved to {impl!r}, which has none of the capability methods {sorted(CAPABILITIES)}"

@@ -78,8 +78,35 @@ def _skip_reason(item, session: DcpSession) -> str | None:
     return None
 
 
+def _check_world_sizes_are_supported(config, session: DcpSession, items) -> None:
+    """A world size that no collected test supports would skip everything and
+    pass: a green run that checked nothing. Only asked sizes are checked (the
+    defaults suit any test selection)."""
+    callspecs = [getattr(item, "callspec", None) for item in items]
+    supported = {spec.params["dcp"] for spec in callspecs if spec is not None and "dcp" in spec.params}
+    if not supported:
+        return  # no multi-rank test collected: world sizes play no part
+    names = ", ".join(map(str, sorted(supported)))
+    if session.torchrun_world_size:
+        if session.torchrun_world_size not in supported:
+            raise pytest.UsageError(
+                f"torchrun launched W={session.torchrun_world_size}, which no collected test supports; "
+                f"supported world sizes: {names} (torchrun --nproc-per-node N)"
+            )
+        return
+    raw = config.getoption("world_sizes")
+    unsupported = sorted(set(session.selected_world_sizes) - supported) if raw else []
+    if unsupported:
+        raise pytest.UsageError(
+            f"--world-sizes {raw}: no collected test supports W={', '.join(map(str, unsupported))}; "
+            f"supported world sizes: {names}"
+        )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / --deselect: every collected test counts as support
 def pytest_collection_modifyitems(config, items):
     session = dcp_session(config)
+    _check_world_sizes_are_supported(config, session, items)
     for item in items:
         unknown = sorted(scenario_properties(item) - set(SCENARIO_PROPERTIES))
         if unknown:

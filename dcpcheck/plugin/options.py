@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 DEFAULT_SELECTED = {"cpu": "1,2,4", "cuda": "1,2,4,8"}
@@ -66,8 +68,19 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
+def _seconds(config, name: str) -> float:
+    """A timeout option's value: a finite number of seconds above 0 (nan,
+    inf, 0 and negatives would make every case fail or none ever end)."""
+    value = config.getoption(name)
+    if not (math.isfinite(value) and value > 0):
+        flag = "--" + name.replace("_", "-")
+        raise pytest.UsageError(f"{flag} {value:g}: expected a finite number of seconds above 0, e.g. 60")
+    return value
+
+
 def case_timeout(config) -> float:
-    timeout = config.getoption("dcp_timeout")
-    if timeout <= 0:
-        raise pytest.UsageError(f"--dcp-timeout {timeout:g}: expected a positive number of seconds")
-    return timeout
+    return _seconds(config, "dcp_timeout")
+
+
+def startup_timeout(config) -> float:
+    return _seconds(config, "dcp_startup_timeout")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dcpcheck.plugin.options import case_timeout, resolve_device, selected_world_sizes
+from dcpcheck.plugin.options import case_timeout, resolve_device, selected_world_sizes, startup_timeout
 from dcpcheck.ranks.launcher import Launcher
 from dcpcheck.stages import StageValueError, reached_stage
 
@@ -74,6 +74,8 @@ def pytest_configure(config):
         reached = reached_stage()
     except StageValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    # Every option is checked before the implementation is loaded: a usage error costs no import.
+    timeout, start_timeout = case_timeout(config), startup_timeout(config)
 
     device_type = resolve_device(config.getoption("device"))
     if device_type == "cpu":
@@ -93,8 +95,8 @@ def pytest_configure(config):
         impl,
         device_type,
         selected_world_sizes(config, device_type),
-        case_timeout(config),
-        config.getoption("dcp_startup_timeout"),
+        timeout,
+        start_timeout,
         config.getoption("dcp_seed"),
         reached,
     )

@@ -1,0 +1,118 @@
+"""Every bad option value and every broken ``--dcp-impl`` is a usage error:
+exit code 4, one line saying what was wrong and what is accepted, no
+traceback; never an INTERNALERROR, nor a run that checks nothing and passes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.selftest.inner import inner_env, write_session
+
+pytestmark = pytest.mark.spawned_only
+
+MULTI_RANK_TESTS = """
+import pytest
+
+def one(ctx):
+    return ctx.rank
+
+def test_any_size(dcp):
+    dcp.run(one)
+
+@pytest.mark.world_sizes(2)
+def test_two_only(dcp):
+    dcp.run(one)
+"""
+
+BROKEN_IMPLS = {
+    "syntax_error.py": "class Impl:\n    def combine(self\n",
+    "raises_at_import.py": "raise RuntimeError('no licence server')\n",
+    "raising_constructor.py": (
+        "class Impl:\n    def __init__(self):\n        raise ValueError('needs a GPU')\n"
+        "    def combine(self, *a, **k):\n        pass\n"
+    ),
+}
+
+# (bad input, argv, environment, what the one line must say)
+CASES = [
+    ("impl file with a syntax error", ["--dcp-impl", "syntax_error.py:Impl"], {}, "raised SyntaxError"),
+    (
+        "impl module raising at import",
+        ["--dcp-impl", "raises_at_import.py:Impl"],
+        {},
+        "raised RuntimeError: no licence server",
+    ),
+    (
+        "impl module raising at import, by name",
+        ["--dcp-impl", "raises_at_import:Impl"],
+        {},
+        "raised RuntimeError: no licence server",
+    ),
+    (
+        "impl constructor raising",
+        ["--dcp-impl", "raising_constructor.py:Impl"],
+        {},
+        "calling Impl() raised ValueError: needs a GPU",
+    ),
+    ("superscript stage digit", [], {"DSV41_DCP_STAGE": "³"}, "DSV41_DCP_STAGE='³' is not a stage"),
+    ("arabic-indic stage digit", [], {"DSV41_DCP_STAGE": "٣"}, "DSV41_DCP_STAGE='٣' is not a stage"),
+    ("timeout nan", ["--dcp-timeout", "nan"], {}, "--dcp-timeout nan: expected a finite number of seconds above 0"),
+    ("timeout inf", ["--dcp-timeout", "inf"], {}, "--dcp-timeout inf: expected a finite number"),
+    ("timeout 0", ["--dcp-timeout", "0"], {}, "--dcp-timeout 0: expected a finite number"),
+    ("timeout -1", ["--dcp-timeout", "-1"], {}, "--dcp-timeout -1: expected a finite number"),
+    ("startup timeout 0", ["--dcp-startup-timeout", "0"], {}, "--dcp-startup-timeout 0: expected a finite number"),
+    ("startup timeout -1", ["--dcp-startup-timeout", "-1"], {}, "--dcp-startup-timeout -1: expected a finite number"),
+    (
+        "startup timeout nan",
+        ["--dcp-startup-timeout", "nan"],
+        {},
+        "--dcp-startup-timeout nan: expected a finite number",
+    ),
+    (
+        "world size 3",
+        ["--world-sizes", "3"],
+        {},
+        "--world-sizes 3: no collected test supports W=3; supported world sizes: 1, 2, 4, 8",
+    ),
+    (
+        "world size 16",
+        ["--world-sizes", "2,16"],
+        {},
+        "--world-sizes 2,16: no collected test supports W=16; supported world sizes: 1, 2, 4, 8",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def probe_results(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("usage")
+    write_session(tmp_path, {"test_multi.py": MULTI_RANK_TESTS, **BROKEN_IMPLS})
+    (tmp_path / "cases.json").write_text(
+        json.dumps([{"args": [*argv, "test_multi.py"], "env": env} for _, argv, env, _ in CASES])
+    )
+    env = inner_env()
+    env["PYTHONPATH"] = str(tmp_path) + ":" + env["PYTHONPATH"]  # raises_at_import:Impl by module name
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.selftest.usage_probe", "cases.json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(zip([name for name, *_ in CASES], json.loads(proc.stdout)))
+
+
+@pytest.mark.parametrize(
+    "name, expected", [(name, expected) for name, _, _, expected in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_a_one_line_usage_error(probe_results, name, expected):
+    result = probe_results[name]
+    output = result["output"]
+    assert result["code"] == 4, output
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and expected in errors[0], output
+    if "--dcp-impl" in output:
+        assert "accepted:" in errors[0] or "no arguments" in errors[0], output

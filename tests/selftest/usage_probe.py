@@ -1,0 +1,43 @@
+"""Many inner pytest sessions in one interpreter, for the usage-error checks:
+``python -m tests.selftest.usage_probe CASES.json`` runs ``pytest.main`` (what
+the ``pytest`` command runs) once per case, with the case's environment, and
+prints every run's exit code and output as JSON. One interpreter start
+instead of one per bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+import pytest
+
+
+def run_case(args: list[str], env: dict[str, str]) -> dict:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            code = pytest.main(["-p", "no:cacheprovider", "-q", *args])
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return {"code": int(code), "output": output.getvalue()}
+
+
+def main() -> int:
+    with open(sys.argv[1]) as fh:
+        cases = json.load(fh)
+    results = [run_case(case["args"], case.get("env", {})) for case in cases]
+    sys.__stdout__.write(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
