@@ -52,7 +52,14 @@ class RankStack:
         for spec in specs:
             layout = spec.layout(world)
             comp_cache = None
-            if spec.compressed:
+            if spec.kv_source is not None:
+                source = self.layers[spec.kv_source]
+                if source.layout != layout:
+                    raise ValueError(
+                        f"layer {len(self.layers)} reads layer {spec.kv_source}'s KV but has another layout"
+                    )
+                comp_cache = source.comp_cache
+            elif spec.compressed:
                 if layout not in self.tables:
                     # Every request's pages at once, the null page and a spare: freed pages still get reused first.
                     states = torch.tensor([request.final_len // spec.rho for request in requests])

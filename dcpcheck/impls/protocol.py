@@ -56,6 +56,8 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "(S states * rho tokens per state > 1), read and written at W > 1",
     "adjacent_index_sources": "adjacent layers of one KV layout, each publishing its own top-k into the "
     "one model-wide top-k buffer in the same step",
+    "kv_source_after_other_group": "a layer reading a kv source's cache after a layer of another KV group "
+    "in the same step",
     "stage_value_empty": "DSV41_DCP_STAGE set to the empty string (which means unset)",
     "stage_value_not_integer": "DSV41_DCP_STAGE set to something that is not a non-negative integer",
 }

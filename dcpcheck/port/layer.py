@@ -21,7 +21,7 @@ it holds the stage-9 geometry, so the geometry is computed once per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +63,9 @@ class StepPlan:
     gather_row_request: torch.Tensor  # [len(gather_rows)] int32: index into the prefill requests
     gather_block_table: torch.Tensor | None  # this rank's block-table rows of the prefill requests
     geometry: PrefillGeometry | None  # the gather geometry; None when no row is gathered
+    # This step's gathered buffer per compressed cache: layers sharing a kv
+    # source's cache gather it once per step.
+    gathered: dict = field(default_factory=dict, compare=False)
 
 
 class DcpAttentionLayer:
@@ -225,7 +228,12 @@ class DcpAttentionLayer:
         """Every rank's pages of the prefill requests, then this rank's heads
         over them: the whole attention of those heads, no combine."""
         rows = plan.gather_rows
-        gathered = self.impl.prefill_gather(comp_cache, plan.gather_block_table, plan.geometry, self.group, bs=self.bs)
+        gathered = plan.gathered.get(comp_cache.data_ptr())
+        if gathered is None:
+            gathered = self.impl.prefill_gather(
+                comp_cache, plan.gather_block_table, plan.geometry, self.group, bs=self.bs
+            )
+            plan.gathered[comp_cache.data_ptr()] = gathered
         slots, _ = self.impl.prefill_remap(
             topk[rows],
             plan.gather_row_request,

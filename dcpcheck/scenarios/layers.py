@@ -44,6 +44,10 @@ class LayerSpec:
     bs: int = 1
     interleave: int = 1
     top_k: int = 0
+    # An earlier layer of the stack whose compressed cache (and top-k) this one
+    # reads, as DSV4.1's consumer layers read their kv-source's: it writes no
+    # compressed state of its own. Same layout as that layer.
+    kv_source: int | None = None
 
     @property
     def compressed(self) -> bool:
@@ -84,12 +88,16 @@ class LayerTensors:
         head_dim: int,
         seed: int,
         rounded_to: torch.dtype | None = None,
+        kv_from: LayerTensors | None = None,
     ):
         """``rounded_to``: the dtype the layer under test computes in; q, the
         latents and the states are drawn in fp32 and rounded through it, so
-        the oracle reads exactly what that layer reads."""
+        the oracle reads exactly what that layer reads. ``kv_from``: the
+        kv-source layer's data, whose latents, states and top-k this layer shares."""
         self.spec = spec
         self.seed = seed
+        self.topk_seed = seed if kv_from is None else kv_from.topk_seed
+        self.writes_states = kv_from is None
         gen = torch.Generator().manual_seed(seed)
         self.sink = torch.rand(num_heads, generator=gen) * 4.0 - 1.0  # about the mass of a few candidates
 
@@ -99,6 +107,12 @@ class LayerTensors:
         self.q, self.latent, self.states = {}, {}, {}
         for request in requests:
             self.q[request.uid] = rounded(torch.randn(request.final_len, num_heads, head_dim, generator=gen))
+            if kv_from is not None:
+                self.latent[request.uid], self.states[request.uid] = (
+                    kv_from.latent[request.uid],
+                    kv_from.states[request.uid],
+                )
+                continue
             self.latent[request.uid] = rounded(torch.randn(request.final_len, head_dim, generator=gen))
             if spec.compressed:
                 self.states[request.uid] = rounded(compress_states(self.latent[request.uid], spec.rho))
@@ -120,8 +134,10 @@ class LayerTensors:
             states = torch.stack(
                 [row if row is not None else torch.full_like(latent[0], float("nan")) for row in completed]
             )
-            topk = indexer_topk(rows.positions, rows.row_uids, rho=rho, top_k=self.spec.top_k, seed=self.seed)
+            topk = indexer_topk(rows.positions, rows.row_uids, rho=rho, top_k=self.spec.top_k, seed=self.topk_seed)
             topk[~valid] = topk[0].clone()  # padding rows carry real-looking ids
+            if not self.writes_states:
+                states = None  # the kv-source layer writes them
         return LayerStepInputs(q=q, sink=self.sink, kv=latent, states=states, topk=topk)
 
     def dense_candidates(self, rows: StepRows, inputs: LayerStepInputs, window: int):

@@ -61,17 +61,19 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
     num_heads = (declared.local_heads or NUM_HEADS // ctx.world_size) * ctx.world_size
     heads = own_heads(ctx, num_heads)
     steps = schedule_trace(REQUESTS, token_budget=TOKEN_BUDGET, pad_to=PAD_TO)
-    tensors = [
-        LayerTensors(
-            spec,
-            REQUESTS,
-            num_heads=num_heads,
-            head_dim=HEAD_DIM,
-            seed=ctx.seed + 7919 * index,
-            rounded_to=declared.layer_dtype,
+    tensors = []
+    for index, spec in enumerate(layers):
+        tensors.append(
+            LayerTensors(
+                spec,
+                REQUESTS,
+                num_heads=num_heads,
+                head_dim=HEAD_DIM,
+                seed=ctx.seed + 7919 * index,
+                rounded_to=declared.layer_dtype,
+                kv_from=None if spec.kv_source is None else tensors[spec.kv_source],
+            )
         )
-        for index, spec in enumerate(layers)
-    ]
     # The tolerance is that of the dtype asked for (fp32 here) or of the one the
     # implementation declares it computes in, never that of what it returned.
     tolerance_dtype = coarser_dtype(torch.float32, declared.layer_dtype)
@@ -137,23 +139,23 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
 
 
 def check_kv_gathered_once(ctx, layers, rows, prefill_gather: bool, gathered_rows: int, step_index: int) -> None:
-    """With the gather at W > 1, a step all-gathers each compressed layer's
-    pages of every prefill request exactly once (``pages_i * bs`` rows per
-    request from each rank); without it, no KV is gathered. At W = 1 a
-    gather is a copy: the port may make it or not."""
+    """With the gather at W > 1, a step all-gathers each kv source's pages of
+    every prefill request exactly once (``pages_i * bs`` rows per request from
+    each rank; layers reading another layer's cache add nothing); without
+    it, no KV is gathered. At W = 1 a gather is a copy: the port may make it or not."""
     if ctx.world_size == 1:
         return
     prefill = rows.is_prefill_request.bool()
     expected = 0
     if prefill_gather and bool(prefill.any()):
         for spec in layers:
-            if spec.compressed:
+            if spec.compressed and spec.kv_source is None:
                 geometry = gather_geometry(rows.seq_lens[prefill], rho=spec.rho, bs=spec.bs, W=ctx.world_size)
                 expected += int(geometry.pages.sum()) * spec.bs
     if gathered_rows != expected:
         raise MismatchError(
             f"e2e W={ctx.world_size} rank {ctx.rank} step {step_index}: {gathered_rows} KV rows all-gathered; "
-            f"expected {expected} (each compressed layer's prefill pages once per step, "
+            f"expected {expected} (each kv source's prefill pages once per step, "
             f"{'gather on' if prefill_gather else 'gather off'})"
         )
 
@@ -206,6 +208,16 @@ INTERLEAVED_KV_GROUPS = (
 )
 
 
+# Consumer layers reading a kv source's cache (and its top-k), before and after
+# a layer of another KV group: the gathered KV is the source's, gathered once.
+SHARED_KV_SOURCE = (
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16, kv_source=0),
+    LayerSpec(rho=1, bs=4, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16, kv_source=0),
+)
+
+
 @pytest.mark.stage(STAGE_PREFILL)
 @pytest.mark.parametrize(
     "order",
@@ -214,6 +226,9 @@ INTERLEAVED_KV_GROUPS = (
             ADJACENT_INDEX_SOURCES, id="adjacent_index_sources", marks=pytest.mark.scenario("adjacent_index_sources")
         ),
         pytest.param(INTERLEAVED_KV_GROUPS, id="interleaved_kv_groups"),
+        pytest.param(
+            SHARED_KV_SOURCE, id="shared_kv_source", marks=pytest.mark.scenario("kv_source_after_other_group")
+        ),
     ],
 )
 def test_layer_order_within_a_step(dcp, order):

@@ -61,6 +61,8 @@ class Dsv41Implementation:
         self._filter_layers: dict[tuple, object] = {}
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
         self._layers_built = 0
+        # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
+        self.cache_mirrors: dict[int, tuple] = {}
 
     def describe(self) -> str:
         return f"tree: {self.tree.spec.module}.{self.tree.spec.cls} | kernel: {self.kernel}"

@@ -3,6 +3,7 @@ the shared top-k buffer, cache views; see :mod:`.layer` for what is modelled."""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -78,7 +79,6 @@ class PortAttention:
         self.prefill_token_chunk = prefill_token_chunk
         self.max_model_len = max_model_len
         self._layer = None
-        self._mirrors: dict[int, torch.Tensor] = {}
 
     @property
     def layout(self):
@@ -222,10 +222,13 @@ class PortAttention:
         return self._layer
 
     def _mirror(self, cache: torch.Tensor, shape) -> torch.Tensor:
-        """A bf16 copy of a suite cache at a fixed address (one per cache)."""
-        mirror = self._mirrors.get(id(cache))
-        if mirror is None:
-            mirror = self._mirrors[id(cache)] = torch.empty(cache.shape, dtype=torch.bfloat16, device=cache.device)
+        """The bf16 copy of a suite cache, refreshed; one per cache for the whole
+        process, so layers sharing a kv source's cache see one address, as in vLLM."""
+        known = self.impl.cache_mirrors.get(id(cache))
+        if known is None or known[0]() is not cache:
+            known = (weakref.ref(cache), torch.empty(cache.shape, dtype=torch.bfloat16, device=cache.device))
+            self.impl.cache_mirrors[id(cache)] = known
+        mirror = known[1]
         mirror.copy_(cache)
         return mirror.view(shape)
 
