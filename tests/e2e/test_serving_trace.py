@@ -56,7 +56,7 @@ TOKEN_BUDGET = 160
 PAD_TO = 8
 
 
-def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
+def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS, prefill_token_chunk=None):
     declared = conventions_of(ctx.impl)
     num_heads = (declared.local_heads or NUM_HEADS // ctx.world_size) * ctx.world_size
     heads = own_heads(ctx, num_heads)
@@ -80,7 +80,14 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS):
     stack_args = dict(head_dim=HEAD_DIM, window=WINDOW, heads=heads, seed=ctx.seed)
     group = CountingGroup(ctx.group)
     dcp_stack = RankStack(
-        ctx.impl, group, layers, REQUESTS, **stack_args, backend=backend, prefill_gather=prefill_gather
+        ctx.impl,
+        group,
+        layers,
+        REQUESTS,
+        **stack_args,
+        backend=backend,
+        prefill_gather=prefill_gather,
+        **({} if prefill_token_chunk is None else {"prefill_token_chunk": prefill_token_chunk}),
     )
     dcp1_stack = RankStack(
         ctx.impl, DcpGroup.single_rank(ctx.device), layers, REQUESTS, **stack_args, prefill_gather=False
@@ -233,3 +240,31 @@ SHARED_KV_SOURCE = (
 )
 def test_layer_order_within_a_step(dcp, order):
     dcp.run(check_serving_trace, backend="a2a", prefill_gather=True, layers=order)
+
+
+# DSV4.1's own topology (compress ratio 1, a one-token interleave): SWA only,
+# and two compressed KV groups, through stage 3 with prefill split into
+# sub-chunks of 64 tokens (so the DCP_PREFILL_TOKEN_CHUNK loop runs several
+# times per request) and through the stage-9 gather.
+DSV41_LAYERS = (
+    LayerSpec(rho=0),
+    LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
+    LayerSpec(rho=1, bs=4, interleave=1, top_k=16),
+)
+
+
+@pytest.mark.parametrize(
+    "prefill_gather",
+    [
+        pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked"),
+        pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather"),
+    ],
+)
+def test_dsv41_topology_trace(dcp, prefill_gather):
+    dcp.run(
+        check_serving_trace,
+        backend="a2a",
+        prefill_gather=prefill_gather,
+        layers=DSV41_LAYERS,
+        prefill_token_chunk=64,
+    )
