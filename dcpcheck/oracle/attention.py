@@ -18,13 +18,15 @@ import torch
 
 # The LSE an empty row carries (what the port's kernels write).
 EMPTY_LSE = -1e30
-# Any LSE at or below this is an empty row: covers -inf, the sentinel, and the
-# sentinel after a base change (x ln 2) or fp32 rounding.
-EMPTY_LSE_BOUND = EMPTY_LSE / 2
+# Any LSE at or below this is an empty row (the empty band): -inf, -FLT_MAX,
+# the sentinel -1e30, FlashInfer SM120's -1e29, and both after a base change
+# (x ln 2 or / ln 2, at least -6.9e28). Above it an LSE is real mass, however
+# negative (a finite mask of -5e4 gives about that).
+EMPTY_LSE_BOUND = -1e28
 
 
 def is_empty_lse(lse: torch.Tensor) -> torch.Tensor:
-    """Bool mask of rows that carry no attention mass (-inf or the sentinel)."""
+    """Bool mask of rows that carry no attention mass (an LSE in the empty band)."""
     return lse <= EMPTY_LSE_BOUND
 
 

@@ -9,6 +9,8 @@ case, so an implementation can say before launch that it cannot run one.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -22,13 +24,23 @@ from tests.stage3_combine.common import combine_unavailable_reason, failure_cont
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("lse_near_150")]
 
 NUM_TOKENS = 40
+FLT_MAX = torch.finfo(torch.float32).max
+# Every form of an empty row's LSE kernels write (the empty band, section 3 of
+# docs/CONTRACT.md): -inf, the sentinel -1e30, FlashInfer SM120's -1e29, the
+# sentinel after a base change (-1e30 ln 2), and -FLT_MAX.
+EMPTY_FORMS = (float("-inf"), EMPTY_LSE, -1e29, EMPTY_LSE * math.log(2.0), -FLT_MAX)
+# Real LSEs far below any other: ten times above the band's bound, and what a
+# finite -5e4 mask leaves. They carry mass.
+NEAR_BAND_LSE = -1e27
+FINITE_MASK_LSE = -3e4
 HEAD_DIM = 64  # the main cases: a power of two, as vLLM's kernels need (tl.arange bound)
 ODD_HEAD_DIM = 72  # not a power of two: a kernel's column mask is exercised
 
 
 def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: torch.dtype, head_dim: int):
     """-> (outs [W, T, H, D] in dtype, lses [W, T, H] fp32): random rows plus one
-    row per edge case, in the LSE units of whatever base the caller combines in."""
+    row per edge case (rows 0 to 7 and 9 to 14), in the LSE units of whatever
+    base the caller combines in."""
     shape = (world, NUM_TOKENS, num_heads)
     outs = torch.randn(*shape, head_dim, generator=gen)
     lses = torch.randn(*shape, generator=gen) * 3.0
@@ -52,6 +64,16 @@ def synthetic_partials(gen: torch.Generator, world: int, num_heads: int, dtype: 
     set_row(5, torch.where(ranks == world // 2, 150.0, 30.0))
     set_row(6, -150.0 + 0.5 * ranks)  # underflows fp32 without max-subtraction
     set_row(7, torch.where(ranks == 0, EMPTY_LSE, 100.0 + ranks))
+    # Rows 9 to 11: every rank empty, in another form of the band than row 0's.
+    for row, form in zip((9, 10, 11), (-1e29, EMPTY_LSE * math.log(2.0), -FLT_MAX)):
+        set_row(row, torch.full((world,), form))
+        outs[:, row] = 0.0
+    # Row 12: every form on some rank, the last rank with mass.
+    forms = torch.tensor(EMPTY_FORMS)[ranks % len(EMPTY_FORMS)]
+    set_row(12, torch.where(ranks == world - 1, 0.7, forms))
+    # Rows 13 and 14: one rank with a real LSE near the band, the others empty.
+    set_row(13, torch.where(ranks == 0, NEAR_BAND_LSE, forms))
+    set_row(14, torch.where(ranks == world - 1, FINITE_MASK_LSE, forms))
     return outs.to(dtype), lses
 
 

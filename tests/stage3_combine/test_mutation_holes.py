@@ -7,19 +7,22 @@ ranks are all at the sentinel has zero outputs, and a weighted mean of zeros
 is zero, so that bug passed. Here the outputs under the sentinel are garbage
 (NaN, or random values, as a kernel may leave for a row with no candidate):
 DESIGN.md section 1 says an empty row is the identity in the combine, never
-weight, so the merge must still be 0 with the empty LSE.
+weight, so the merge must still be 0 with the empty LSE. The same holds for
+every form of the empty band kernels write (-inf, -1e29, -1e30 ln 2,
+-FLT_MAX), alone and mixed across the ranks.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.common import failure_context
-from tests.stage3_combine.test_combine import HEAD_DIM, synthetic_partials
+from tests.stage3_combine.test_combine import EMPTY_FORMS, HEAD_DIM, synthetic_partials
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
@@ -30,6 +33,11 @@ pytestmark = [
 NUM_HEADS = 8
 NAN_ROW = 0  # synthetic_partials: every rank at the sentinel
 GARBAGE_ROW = 8  # a random row, turned into one with every rank at the sentinel
+# Random rows turned into rows with every rank in one other form of the empty
+# band, and one with every form: an implementation that recognises only one
+# constant gives the garbage weight.
+GARBAGE_FORM_ROWS = dict(zip(range(15, 15 + len(EMPTY_FORMS)), EMPTY_FORMS))
+MIXED_FORMS_ROW = 15 + len(EMPTY_FORMS)
 
 
 def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_dim):
@@ -38,6 +46,9 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_di
     outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, DTYPES[dtype_name], head_dim)
     outs[:, NAN_ROW] = float("nan")
     lses[:, GARBAGE_ROW] = EMPTY_LSE  # its random outputs stay
+    for row, form in GARBAGE_FORM_ROWS.items():
+        lses[:, row] = form
+    lses[:, MIXED_FORMS_ROW] = torch.tensor(EMPTY_FORMS)[torch.arange(ctx.world_size) % len(EMPTY_FORMS), None]
 
     heads = own_heads(ctx, NUM_HEADS)
     report = {"context": context, "offsets": (0, heads.start, 0)}
