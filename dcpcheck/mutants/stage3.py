@@ -91,8 +91,8 @@ MUTANTS = (
         description="a2a sends rank j the strided heads j, j+W, ... instead of its block of H/W heads",
         patch=Patch(
             "combine.py",
-            "packed.view(num_tokens, world, heads_local, row_width).transpose(0, 1)",
-            "packed.view(num_tokens, heads_local, world, row_width).permute(2, 0, 1, 3)",
+            "out.view(num_tokens, world, heads_local, head_dim).transpose(0, 1)",
+            "out.view(num_tokens, heads_local, world, head_dim).permute(2, 0, 1, 3)",
         ),
     ),
     combine_mutant(

@@ -200,9 +200,11 @@ def _combine_a2a(out, lse, group, log2_base):
     # The fp32 LSE rides bit-for-bit as 1 (fp32) or 2 (16-bit) extra columns.
     lse_width = lse.element_size() // out.element_size()
     lse_columns = lse.view(out.dtype).view(num_tokens, num_heads, lse_width)
-    packed = torch.cat([out, lse_columns], dim=2)
-    row_width = packed.shape[2]
-    send = packed.view(num_tokens, world, heads_local, row_width).transpose(0, 1).contiguous()
+    row_width = head_dim + lse_width
+    # Written straight into the send layout, one copy each ([r]: the heads of rank r).
+    send = torch.empty(world, num_tokens, heads_local, row_width, dtype=out.dtype, device=out.device)
+    send[..., :head_dim] = out.view(num_tokens, world, heads_local, head_dim).transpose(0, 1)
+    send[..., head_dim:] = lse_columns.view(num_tokens, world, heads_local, lse_width).transpose(0, 1)
     received = torch.empty_like(send)  # [W, T, H_loc, D + c]: [r] is rank r's partial of my heads
     # The GroupCoordinator surface has no all-to-all: torch.distributed on its device group.
     dist.all_to_all_single(received, send, group=group.device_group)
