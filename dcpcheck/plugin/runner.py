@@ -3,11 +3,44 @@ back into one pass, skip, expected failure or failure message."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import traceback
+
 import pytest
 
 from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
 from dcpcheck.stages import stage_label
+
+
+class ThreadedCall:
+    """``fn(*args)`` in a daemon thread, so that the caller can stop waiting."""
+
+    def __init__(self, fn, *args):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._call, args=(fn, args), name=f"dcpcheck {fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def _call(self, fn, args) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            self._error = exc
+
+    def finished(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def stack(self) -> str:
+        frame = sys._current_frames().get(self._thread.ident)
+        return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(it has just returned)"
+
 
 # Keys of a rank function's stats dict that are worst errors: the largest over
 # the ranks becomes a JUnit property (dcp_<key>) for tools/gpu_ci.py.
@@ -38,6 +71,9 @@ class DcpRunner:
             "seed": self.seed,
         }
 
+    def _header_line(self) -> str:
+        return " | ".join(f"{k}={v}" for k, v in self.header().items())
+
     def run(self, fn, *, timeout: float | None = None, **case) -> list:
         """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
         Returns each rank's return value, in rank order."""
@@ -52,19 +88,15 @@ class DcpRunner:
             properties=scenario_properties(self._node),
             case=case,
         )
-        unavailable = getattr(self.impl, "unavailable_reason", None)
-        if unavailable is not None:
-            reason = unavailable(terms)
-            if reason:
-                pytest.skip(reason)
-        known_defect = getattr(self.impl, "known_defect", None)
-        if known_defect is not None:
-            defect = known_defect(terms)
-            if defect:
-                # The check still runs: a failure is reported as xfailed with
-                # this reason, a pass as XPASS (the defect may be fixed).
-                self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
         timeout = timeout or self.session.timeout
+        reason = self._ask("unavailable_reason", terms, timeout)
+        if reason:
+            pytest.skip(reason)
+        defect = self._ask("known_defect", terms, timeout)
+        if defect:
+            # The check still runs: a failure is reported as xfailed with
+            # this reason, a pass as XPASS (the defect may be fixed).
+            self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
         self._node.user_properties.append(("dcp_world_size", self.world_size))
         if case.get("backend"):
             self._node.user_properties.append(("dcp_backend", case["backend"]))
@@ -79,7 +111,7 @@ class DcpRunner:
                 case_id=self.nodeid,
             )
         except LaunchError as exc:
-            pytest.fail(f"{self.header()}\n{exc}", pytrace=False)
+            pytest.fail(f"{self._header_line()}\n{exc}", pytrace=False)
         if result.stop_session:
             self._node.session.shouldstop = result.stop_session
         if not result.ok:
@@ -87,6 +119,22 @@ class DcpRunner:
         values = [result.outcomes[rank].value for rank in range(self.world_size)]
         self._record_worst_errors(values)
         return values
+
+    def _ask(self, method: str, terms, timeout: float):
+        """The implementation's answer to ``method(terms)``, asked in this
+        process before launch; one that does not return within the case
+        timeout fails the test with its stack, rather than hang the session."""
+        ask = getattr(self.impl, method, None)
+        if ask is None:
+            return None
+        answer = ThreadedCall(ask, terms)
+        if answer.finished(timeout):
+            return answer.result()
+        pytest.fail(
+            f"{self._header_line()}\n{self.session.impl_spec}.{method}(terms) did not return within {timeout:g} s "
+            f"(it is asked before launch, in the pytest process); its stack:\n{answer.stack()}",
+            pytrace=False,
+        )
 
     def _record_worst_errors(self, values: list) -> None:
         for key in WORST_ERROR_KEYS:

@@ -25,6 +25,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from dcpcheck.ranks.launcher import PEER_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.procstate import describe_process, process_state_letter
+from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
+from dcpcheck.ranks.reaper import kill_tree
 from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
 
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
@@ -44,11 +47,15 @@ def describe_exit(returncode: int) -> str:
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log, at most MAX_ERROR_CHARS of them (a
+    rank may print megabytes on one line)."""
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4 * MAX_ERROR_CHARS))
+            text = fh.read().decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    return bounded("\n".join(text.splitlines()[-lines:]))
 
 
 class RankPool:
@@ -128,17 +135,18 @@ class RankPool:
             server.close()
 
     def _handshake(self, server: socket.socket, started: float) -> None:
+        """Each connection names itself as soon as it is accepted: the
+        zygote's comes first in practice, and from then on a rank that dies
+        during start-up is reported at once (the zygote reports its exit)."""
         deadline = started + self.startup_timeout
-        unnamed: list[Connection] = []
-        while len(unnamed) < self.world_size + 1:
+        while len(self.conns) < self.world_size or self.zygote_conn is None:
             self._check_started(deadline, "connect")
             try:
                 sock, _ = server.accept()
             except TimeoutError:
                 continue
             sock.setblocking(True)
-            unnamed.append(Connection(sock.detach()))
-        for conn in unnamed:
+            conn = Connection(sock.detach())
             message = self._recv_startup(conn, deadline, ("zygote", "hello"))
             if message[0] == "zygote":
                 self.zygote_conn = conn
@@ -206,6 +214,9 @@ class RankPool:
     def kill(self) -> None:
         """Kill the zygote, every rank and anything they started, at once."""
         if self.zygote is not None:
+            # The zygote's tree first: a process a rank started in a new
+            # session is outside the process group.
+            kill_tree(self.zygote.pid, include_root=False)
             try:
                 os.killpg(self.zygote.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -276,7 +287,10 @@ class RankPool:
         return f"{how}\n--- rank {rank} log (tail) ---\n{_tail(self._log(rank))}"
 
     def dump_stacks(self, ranks: list[int]) -> dict:
-        """The Python stacks of ``ranks``, read through faulthandler."""
+        """The Python stacks of ``ranks``, read through faulthandler; a
+        stopped rank cannot write one, and is said to be stopped."""
+        stopped = {r: describe_process(self.pids[r]) for r in ranks if process_state_letter(self.pids[r]) in ("T", "t")}
+        ranks = [r for r in ranks if r not in stopped]
         offsets = {}
         for rank in ranks:
             path = Path(stacks_path(str(self.tmpdir), rank))
@@ -285,13 +299,17 @@ class RankPool:
                 os.kill(self.pids[rank], STACK_SIGNAL)
             except ProcessLookupError:
                 pass
-        self._wait_for_stacks(offsets)
-        stacks = {}
+        if offsets:
+            self._wait_for_stacks(offsets)
+        stacks = {rank: f"(no stack: the process {how})" for rank, how in stopped.items()}
         for rank in ranks:
             with open(stacks_path(str(self.tmpdir), rank), errors="replace") as fh:
                 fh.seek(offsets[rank])
-                stacks[rank] = fh.read().strip() or "(no stack: the process did not answer)"
-        return stacks
+                text = fh.read(4 * MAX_ERROR_CHARS).strip()
+            stacks[rank] = (
+                bounded(text) if text else "(no stack: the process " + describe_process(self.pids[rank]) + ")"
+            )
+        return dict(sorted(stacks.items()))
 
     def _wait_for_stacks(self, offsets: dict) -> None:
         """Until every rank's stack file has grown and stopped growing (a dump

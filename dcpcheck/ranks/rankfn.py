@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
 
 
@@ -87,12 +88,27 @@ def format_rank_error(rank: int, exc: BaseException) -> str:
     return bounded(head + "\n" + lines)
 
 
+def _leak_error(rank: int, leaked: list[str]) -> str:
+    return (
+        f"[rank {rank}] LeakedStateError: the case changed process-wide state that later cases on these ranks "
+        f"would inherit (undone now): {'; '.join(leaked)}; change it inside a with-block, or put it back"
+    )
+
+
 def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     start = time.perf_counter()
+    state = CaseState(ctx.seed)
     try:
         value = fn(ctx, **ctx.case)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
     except BaseException as exc:  # noqa: BLE001 - every way out of a rank function is reported, with its rank
-        return RankOutcome(ctx.rank, False, format_rank_error(ctx.rank, exc), None, time.perf_counter() - start)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+        error = format_rank_error(ctx.rank, exc)
+        leaked = state.leaks()
+        if leaked:
+            error += "\n" + _leak_error(ctx.rank, leaked)
+        return RankOutcome(ctx.rank, False, error, None, time.perf_counter() - start)
+    leaked = state.leaks()
+    if leaked:
+        return RankOutcome(ctx.rank, False, _leak_error(ctx.rank, leaked), value, time.perf_counter() - start)
     return RankOutcome(ctx.rank, True, "", value, time.perf_counter() - start)

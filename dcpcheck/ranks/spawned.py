@@ -10,7 +10,7 @@ pool at the end of the session.
 
 from __future__ import annotations
 
-from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult, LaunchError
 from dcpcheck.ranks.pool import RankPool
 
 
@@ -20,6 +20,9 @@ class SpawnedRanks:
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
+        # world size -> why its pool could not start: not tried again in this
+        # session (the same failure, the same wait, on every later test).
+        self.start_failures: dict[int, str] = {}
 
     def _live_pool(self, world_size: int, impl_spec: str) -> RankPool:
         """The pool for ``world_size``, started when it has none or its ranks died."""
@@ -28,6 +31,11 @@ class SpawnedRanks:
             return pool
         if pool is not None:
             pool.kill()  # whatever is left of it: the zygote, surviving ranks, the temporary directory
+        if world_size in self.start_failures:
+            raise LaunchError(
+                f"not tried again: the pool of {world_size} ranks failed to start earlier in this session: "
+                + self.start_failures[world_size]
+            )
         pool = RankPool(
             world_size,
             self.device_type,
@@ -38,6 +46,11 @@ class SpawnedRanks:
         self.pools[world_size] = pool
         try:
             pool.start()
+        except LaunchError as exc:
+            self.start_failures[world_size] = str(exc)
+            pool.kill()
+            del self.pools[world_size]
+            raise
         except BaseException:
             pool.kill()
             del self.pools[world_size]

@@ -11,6 +11,9 @@ peer's pending collective, nor with another test's report.
 * A case thread still running at the case timeout (or 3 s after a peer
   failed) is *stuck*: its rank reports its Python stack and abandons it; the
   next case gets a fresh DCP group.
+* Processes a case started are killed when it ends (this process is their
+  subreaper, so a detached one is found too); the kernel kills the rank when
+  torchrun's agent dies.
 * A rank that sends no report at all (its process ended, is stopped, or
   spins holding the GIL) is named with what its process is doing, and the
   session stops: these ranks can run no further case together.
@@ -37,6 +40,7 @@ from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Ca
 from dcpcheck.ranks.outcome_board import OutcomeBoard, RankReport
 from dcpcheck.ranks.procstate import describe_process
 from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, run_rank_case
+from dcpcheck.ranks.reaper import become_subreaper, descendants, die_with_parent, end_case_processes
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # After the case timeout, how long the ranks wait for each other's reports: a
@@ -94,6 +98,8 @@ class InProcessRanks:
     def __init__(self, device_type: str, case_timeout: float):
         self.rank = launcher_rank()
         self.world_size = launcher_world_size()
+        die_with_parent(signal.SIGKILL, os.getppid())
+        become_subreaper()
         self.device_type = device_type
         self.case_timeout = case_timeout
         if device_type == "cuda":
@@ -132,6 +138,7 @@ class InProcessRanks:
         # and no report can be taken for another test's.
         key = f"{case_id}#{next(self.calls_per_test.setdefault(case_id, itertools.count()))}"
         started = time.perf_counter()
+        before = descendants(os.getpid())
         faulthandler.dump_traceback_later(timeout + WEDGED_EXIT_S, exit=True, file=sys.stderr)
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_job_stopping)
         real_exit = os._exit
@@ -144,7 +151,9 @@ class InProcessRanks:
             ctx = RankContext(self.group, self.device, load_implementation(impl_spec), seed, case)
             thread = _CaseThread(fn, ctx)
             thread.start()
-            self.board.post(key, self._await(thread, key, started, timeout))
+            report = self._await(thread, key, started, timeout)
+            end_case_processes(before)  # before reporting: once a peer has the verdict, they are gone
+            self.board.post(key, report)
             reports = self.board.verdict(key, deadline=started + timeout + REPORT_GRACE_S)
         except _JobStopping:
             stopping = "torchrun is ending the job (SIGTERM), typically because a peer's process ended"
@@ -153,6 +162,7 @@ class InProcessRanks:
             os._exit = real_exit
             signal.signal(signal.SIGTERM, previous_sigterm)
             faulthandler.cancel_dump_traceback_later()
+            end_case_processes(before)  # also when the case was cut short
         result = self._result(reports, timeout, stopping)
         result.seconds = time.perf_counter() - started
         if result.stop_session:

@@ -4,8 +4,14 @@
 dcpcheck.ranks.worker``), which imports torch and the implementation once and
 then forks the W ranks: each rank joins the process group once and runs the
 rank functions the pytest process sends it until told to stop. The zygote
-reports how each rank exited. Every process exits by itself when its parent
-dies, so nothing outlives a session.
+reports how each rank exited.
+
+Nothing outlives a session (:mod:`dcpcheck.ranks.reaper`): the kernel sends
+the zygote SIGTERM when pytest dies, and the zygote then kills its whole tree
+(ranks, and whatever they started, detached or not: it is their subreaper)
+and removes the pool's temporary directory; a rank gets SIGKILL from the
+kernel when the zygote dies, even while it spins holding the GIL; and every
+process a case started is killed when the case ends.
 """
 
 from __future__ import annotations
@@ -14,24 +20,22 @@ import argparse
 import faulthandler
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
-import threading
-import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from dcpcheck.ranks.reaper import (
+    become_subreaper,
+    die_with_parent,
+    end_case_processes,
+    kill_tree,
+)
+
 STACK_SIGNAL = signal.SIGUSR1
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A worker stuck in a collective never reads its socket again; polling
-    # the parent is what guarantees no orphan survives a killed pytest.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(3)
+ORPHANED_SIGNAL = signal.SIGTERM  # the zygote's, from the kernel when pytest dies
 
 
 def _connect(path: str) -> Connection:
@@ -111,8 +115,19 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
+def _end_pool(signum, frame) -> None:
+    """The zygote's last act when pytest died: no rank, nothing a rank
+    started, and no temporary directory is left."""
+    kill_tree(os.getpid(), include_root=False)
+    shutil.rmtree(_end_pool.tmpdir, ignore_errors=True)
+    os._exit(128 + signum)
+
+
 def zygote_main(args) -> int:
-    threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
+    _end_pool.tmpdir = args.tmpdir
+    signal.signal(ORPHANED_SIGNAL, _end_pool)
+    die_with_parent(ORPHANED_SIGNAL, args.parent_pid)
+    become_subreaper()
     _preload(args)
     conn = _connect(args.socket)
     conn.send(("zygote", os.getpid()))
@@ -121,17 +136,21 @@ def zygote_main(args) -> int:
         pid = os.fork()
         if pid == 0:
             conn.close()
-            os._exit(_rank_main(args, rank))
+            os._exit(_rank_main(args, rank, zygote_pid=os.getppid()))
         ranks[pid] = rank
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
             conn.send(("exit", ranks.pop(pid), os.waitstatus_to_exitcode(status)))
+    kill_tree(os.getpid(), include_root=False)  # what the ranks left behind, re-parented to this subreaper
     return 0
 
 
-def _rank_main(args, rank: int) -> int:
+def _rank_main(args, rank: int, zygote_pid: int) -> int:
     try:
+        signal.signal(ORPHANED_SIGNAL, signal.SIG_DFL)  # the zygote's handler is not the rank's
+        die_with_parent(signal.SIGKILL, zygote_pid)  # a signal no busy loop can delay
+        become_subreaper()
         _redirect_output(log_path(args.tmpdir, rank))
         return rank_main(args, rank)
     except BaseException:  # noqa: BLE001 - a forked child must never return into the zygote's code
@@ -143,7 +162,6 @@ def _rank_main(args, rank: int) -> int:
 
 def rank_main(args, rank: int) -> int:
     args.rank = rank
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     stacks = open(stacks_path(args.tmpdir, rank), "a", buffering=1)
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
@@ -158,7 +176,9 @@ def rank_main(args, rank: int) -> int:
             return 0
         if task["op"] == "stop":
             break
-        conn.send(_run_task(task, group))
+        outcome = _run_task(task, group)
+        end_case_processes(before=set())  # a rank starts nothing itself: every descendant is the case's
+        conn.send(outcome)
 
     import torch.distributed as dist
 

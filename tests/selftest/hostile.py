@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from tests.selftest.rank_functions import sum_of_ranks
 
 
@@ -57,7 +59,7 @@ def start_processes(ctx, *, pid_file: str, then_hang: bool = False) -> None:
         [
             sys.executable,
             "-c",
-            "import subprocess, sys; print(subprocess.Popen(sys.argv[1:], start_new_session=True).pid)",
+            "import subprocess, sys; print(subprocess.Popen(sys.argv[1:], start_new_session=True, stdout=subprocess.DEVNULL).pid)",
             *sleeper,
         ],
         stdout=subprocess.PIPE,
@@ -67,3 +69,36 @@ def start_processes(ctx, *, pid_file: str, then_hang: bool = False) -> None:
     Path(f"{pid_file}.{ctx.rank}").write_text(f"{child.pid} {session_child.pid} {daemon_pid}")
     if then_hang:
         time.sleep(3600)
+
+
+LEAKED_VARIABLE = "DCPCHECK_SELFTEST_LEAK"
+
+
+def change_global_state(ctx) -> None:
+    """What a careless implementation does: a process-wide default dtype and
+    grad mode, an environment variable, and a draw from the global RNG."""
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    os.environ[LEAKED_VARIABLE] = "1"
+    torch.rand(1)
+
+
+def global_state_seen(ctx) -> tuple:
+    """What the next case finds: it must be the known state."""
+    return torch.get_default_dtype(), torch.is_grad_enabled(), os.environ.get(LEAKED_VARIABLE), torch.rand(1).item()
+
+
+class MonstrousError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception raises")
+
+
+def raise_monsters(ctx, *, kind: str) -> None:
+    """An exception of 20 MB, one whose ``str()`` raises, or ``SystemExit(0)``; after the collectives."""
+    sum_of_ranks(ctx)
+    if ctx.rank == ctx.world_size - 1:
+        if kind == "huge":
+            raise ValueError("x" * 20_000_000)
+        if kind == "str raises":
+            raise MonstrousError()
+        raise SystemExit(0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+from tests.selftest.hostile import change_global_state, global_state_seen, raise_monsters, stop_myself
 from tests.selftest.rank_functions import (
     group_collectives_match_torch,
     kill_rank,
@@ -84,3 +86,37 @@ def test_killed_worker_is_reported_as_killed(dcp):
 
 def test_group_collectives_are_rank_ordered(dcp):
     dcp.run(group_collectives_match_torch)
+
+
+@pytest.mark.world_sizes(1, 2)
+def test_case_that_changes_global_state_fails_and_the_next_starts_clean(dcp):
+    message, _ = _failure_message(dcp, change_global_state)
+    assert f"failing ranks {list(range(dcp.world_size))}" in message
+    assert "[rank 0] LeakedStateError" in message
+    assert "default dtype torch.float32 -> torch.float64" in message and "grad mode True -> False" in message
+    first, again = dcp.run(global_state_seen), dcp.run(global_state_seen)
+    assert first[0][:3] == (torch.float32, True, None)  # undone / put back
+    assert first == again  # the global RNG is seeded from the case's seed, not left where the last case left it
+
+
+@pytest.mark.world_sizes(2)
+def test_monstrous_exceptions_are_reported_bounded(dcp):
+    message, _ = _failure_message(dcp, raise_monsters, kind="huge")
+    assert "[rank 1] ValueError: xxx" in message and "characters cut" in message
+    assert len(message) < 300_000  # 64 KB per rank's error, and what frames it
+    message, _ = _failure_message(dcp, raise_monsters, kind="str raises")
+    assert "[rank 1] MonstrousError: <str() of the exception raised RuntimeError>" in message
+    message, _ = _failure_message(dcp, raise_monsters, kind="SystemExit(0)")
+    assert "[rank 1] SystemExit: 0 (the rank function left the case early by raising SystemExit)" in message
+    assert "exited with code" not in message
+    assert dcp.run(sum_of_ranks)
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_stopped_rank_is_reported_as_stopped(dcp):
+    message, seconds = _failure_message(dcp, stop_myself, bad_rank=1)
+    assert "[rank 1] Python stacks at the timeout:\n(no stack: the process (pid" in message
+    assert "is stopped (SIGSTOP or SIGTSTP)" in message
+    assert seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
+    assert dcp.run(sum_of_ranks)

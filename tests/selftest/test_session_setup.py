@@ -87,17 +87,6 @@ def test_user_implementation_from_a_file_lacking_capabilities_skips(tmp_path):
     assert "implementation 'my_impl.py:Partial' lacks capability combine" in output
 
 
-HANGING_TEST = """
-import time
-
-def sleep_forever(ctx):
-    time.sleep(3600)
-
-def test_hangs(dcp):
-    dcp.run(sleep_forever)
-"""
-
-
 def _pool_processes(parent_pid: int) -> list[str]:
     """Command lines of the pool processes started by ``parent_pid``."""
     found = []
@@ -109,21 +98,6 @@ def _pool_processes(parent_pid: int) -> list[str]:
         if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(parent_pid).encode():
             found.append(b" ".join(args).decode(errors="replace"))
     return found
-
-
-def test_no_worker_outlives_a_killed_session(tmp_path):
-    write_session(tmp_path, {"test_hang.py": HANGING_TEST})
-    proc = start_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2"])
-    deadline = time.monotonic() + 120
-    while len(_pool_processes(proc.pid)) < 3 and time.monotonic() < deadline:  # the zygote and 2 ranks
-        time.sleep(0.2)
-    assert len(_pool_processes(proc.pid)) == 3, "expected the zygote and two ranks"
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 10
-    while _pool_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _pool_processes(proc.pid) == []
 
 
 def test_no_worker_outlives_a_finished_session(tmp_path):
@@ -208,3 +182,54 @@ def test_unknown_scenario_property_is_a_usage_error(tmp_path):
     code, output = run_inner_pytest(tmp_path, [])
     assert code == 4, output
     assert "unknown scenario properties ['short_tables']" in output and "'short_table'" in output
+
+
+BROKEN_AT_FORK_IMPL = """
+import os
+import sys
+import time
+
+if any("dcpcheck/ranks/worker" in arg for arg in sys.argv):  # in the pool's zygote only
+    os.register_at_fork(after_in_child=lambda: os._exit(9))  # every rank dies as it starts
+
+
+class BrokenAtFork:
+    name = "broken"
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def unavailable_reason(self, terms):
+        if terms.backend == "a2a":
+            time.sleep(3600)
+        return None
+"""
+
+BROKEN_AT_FORK_TESTS = """
+def passes(ctx, **case):
+    pass
+
+def test_a_hanging_question(dcp):
+    dcp.run(passes, backend="a2a")
+
+def test_b_ranks_die_at_start(dcp):
+    dcp.run(passes)
+
+def test_c_not_tried_again(dcp):
+    dcp.run(passes)
+"""
+
+
+def test_hung_question_and_dying_pool_fail_fast(tmp_path):
+    write_session(tmp_path, {"broken.py": BROKEN_AT_FORK_IMPL, "test_broken.py": BROKEN_AT_FORK_TESTS})
+    started = time.perf_counter()
+    code, output = run_inner_pytest(
+        tmp_path, ["--dcp-impl", "broken.py:BrokenAtFork", "--world-sizes", "2", "-k", "W2", "--dcp-timeout", "2"]
+    )
+    assert code == 1 and "3 failed" in output, output
+    assert "broken.py:BrokenAtFork.unavailable_reason(terms) did not return within 2 s" in output
+    assert "time.sleep(3600)" in output  # its stack
+    assert "could not start 2 cpu ranks" in output and "exited with code 9" in output, output
+    assert "timed out after" not in output
+    assert "not tried again: the pool of 2 ranks failed to start earlier in this session" in output
+    assert time.perf_counter() - started < 60

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.spawned_only
 CASE_TIMEOUT_S = 3
 
 TORCHRUN_TESTS = """
+import os
+from pathlib import Path
+
 import pytest
-from tests.selftest.hostile import leave_on_rank, sleep_on_rank
+from tests.selftest.hostile import leave_on_rank, sleep_on_rank, start_processes
 from tests.selftest.rank_functions import raise_on_rank, sum_of_ranks
 
 def test_01_passes(dcp):
@@ -44,6 +47,16 @@ def test_06_keyboard_interrupt(dcp):
 
 def test_07_after_leaving(dcp):
     dcp.run(sum_of_ranks)
+
+def test_07a_starts_processes(dcp):
+    dcp.run(start_processes, pid_file=os.path.abspath("case_pids"))
+
+def test_07b_they_are_gone():
+    paths = sorted(Path(".").glob("case_pids.*"))
+    assert len(paths) == 2, paths
+    for path in paths:
+        for pid in map(int, path.read_text().split()):
+            assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z", pid
 
 def test_08_os_exit(dcp):
     dcp.run(leave_on_rank, bad_rank=1, how="os._exit")
@@ -83,7 +96,7 @@ def torchrun_session(tmp_path_factory):
 def test_ranks_agree_and_only_rank_zero_reports(torchrun_session):
     code, output, outcomes, _ = torchrun_session
     assert code != 0, output
-    assert output.count("6 failed, 3 passed") == 1, output  # only rank 0 printed its summary
+    assert output.count("6 failed, 5 passed") == 1, output  # only rank 0 printed its summary
     assert outcomes["test_01_passes[W2]"][0] == "passed"
     after, before = outcomes["test_02_rank_one_fails[W2-False]"], outcomes["test_02_rank_one_fails[W2-True]"]
     assert after[0] == before[0] == "failed"
@@ -116,6 +129,12 @@ def test_rank_leaving_a_case_early_is_reported_with_its_cause(torchrun_session):
         assert f"[rank 1] {raised}" in message and "left the case early" in message, message
         assert "leave_on_rank" in message  # its own case's traceback, not another test's
     assert outcomes["test_07_after_leaving[W2]"][0] == "passed", output
+
+
+def test_processes_a_case_starts_are_gone_when_it_ends(torchrun_session):
+    _, output, outcomes, _ = torchrun_session
+    assert outcomes["test_07a_starts_processes[W2]"][0] == "passed", output
+    assert outcomes["test_07b_they_are_gone"][0] == "passed", output
 
 
 def test_rank_exiting_mid_case_is_named_and_the_session_stops(torchrun_session):

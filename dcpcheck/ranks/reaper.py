@@ -1,0 +1,139 @@
+"""No process outlives what started it: the kernel's parent-death signal,
+child subreapers, and killing a whole process tree without a gap for a fork.
+
+* ``die_with_parent``: ``PR_SET_PDEATHSIG``, so the kernel signals a process
+  when its parent dies: it needs no thread of the process to run, so it also
+  ends a rank spinning with the GIL held.
+* ``become_subreaper``: ``PR_SET_CHILD_SUBREAPER``, so a descendant that
+  detaches (a double fork, a new session) is re-parented to this process,
+  not to init, and stays in its tree.
+* ``kill_tree``: stops every process of a tree (a stopped process cannot
+  fork), until no new one appears, then kills them all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+from dcpcheck.ranks.procstate import process_state_letter
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+ORPHANED_EXIT_CODE = 3
+# Rounds of "stop what is new" before the kill: each round catches the
+# children forked just before their parent was stopped.
+MAX_STOP_ROUNDS = 50
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc.prctl(option, value, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({option}, {value}): {os.strerror(errno)}")
+
+
+def die_with_parent(sig: signal.Signals, parent_pid: int) -> None:
+    """Have the kernel send ``sig`` when the parent dies; exit now if it already has."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
+        os._exit(ORPHANED_EXIT_CODE)
+
+
+def become_subreaper() -> None:
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] not in "ZX":
+            found[int(entry.name)] = int(fields[1])
+    return found
+
+
+def descendants(root: int) -> set[int]:
+    """The live descendants of ``root`` (not ``root`` itself)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_then_kill(find) -> set[int]:
+    """SIGSTOP what ``find()`` returns until it returns nothing new (a stopped
+    process cannot fork), then SIGKILL all of it; reap this process's children among it."""
+    stopped: set[int] = set()
+    for _ in range(MAX_STOP_ROUNDS):
+        new = find() - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    for pid in stopped:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # not this process's child: its own parent reaps it
+    return stopped
+
+
+def kill_tree(root: int, *, include_root: bool) -> set[int]:
+    """SIGKILL every descendant of ``root`` (and ``root`` when asked)."""
+    return _stop_then_kill(
+        lambda: descendants(root) | ({root} if include_root and process_state_letter(root) else set())
+    )
+
+
+def reap_exited_children(keep: set[int] = frozenset()) -> None:
+    """Reap this process's exited children (a subreaper inherits detached
+    ones, which nobody else will wait for), except those in ``keep``."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in keep:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z" and fields[1] == me:
+            try:
+                os.waitpid(int(entry.name), os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def end_case_processes(before: set[int]) -> None:
+    """Kill what the case started: every descendant of this process that
+    was not there before it (``descendants(os.getpid())`` at its start)."""
+    _stop_then_kill(lambda: descendants(os.getpid()) - before)
+    reap_exited_children(keep=before)

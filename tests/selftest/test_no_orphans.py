@@ -1,0 +1,94 @@
+"""No process outlives what started it: a killed pytest leaves no rank, even
+one spinning with the GIL held, nor anything a rank started (in its group, in
+a new session, or a daemon), nor the pool's temporary directory; and what a
+case starts is gone when the case ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.selftest.inner import run_inner_pytest, start_inner_pytest, write_session
+
+pytestmark = pytest.mark.spawned_only
+
+GIL_SPINNING_TESTS = """
+from tests.selftest.hostile import spin_holding_the_gil, start_processes
+
+def spin_after_starting_processes(ctx, *, marker, pid_file):
+    start_processes(ctx, pid_file=pid_file)
+    spin_holding_the_gil(ctx, marker=marker)
+
+def test_spins(dcp, tmp_path_factory):
+    dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}")
+"""
+
+CASE_PROCESSES_TESTS = """
+import os
+from pathlib import Path
+from tests.selftest.hostile import start_processes
+
+def test_starts_processes(dcp):
+    dcp.run(start_processes, pid_file="{pid_file}")
+
+def test_they_are_gone():
+    paths = sorted(Path("{pid_file}").parent.glob("{pid_file_name}.*"))
+    assert len(paths) == 2, paths
+    for path in paths:
+        for pid in map(int, path.read_text().split()):
+            assert not Path(f"/proc/{{pid}}").exists() or Path(f"/proc/{{pid}}/stat").read_text().split(") ")[1][0] == "Z", pid
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _wait_until(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killed_session_leaves_no_process_even_with_the_gil_held(tmp_path, sig):
+    marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
+    write_session(tmp_path, {"test_spin.py": GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file)})
+    proc = start_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120"])
+    markers = [Path(f"{marker}.{rank}") for rank in range(2)]
+    assert _wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
+    ranks = [int(m.read_text()) for m in markers]
+    started = [int(pid) for rank in range(2) for pid in Path(f"{pid_file}.{rank}").read_text().split()]
+    pool_dir = _pool_dir(ranks[0])
+    assert all(map(_alive, ranks + started))
+    os.kill(proc.pid, sig)
+    proc.communicate(timeout=30)
+    assert _wait_until(lambda: not any(map(_alive, ranks + started)), 10), [p for p in ranks + started if _alive(p)]
+    assert _wait_until(lambda: not pool_dir.exists(), 10), f"{pool_dir} is left"
+
+
+def _pool_dir(rank_pid: int) -> Path:
+    """The pool's temporary directory: where the rank's stack file is open."""
+    for fd in Path(f"/proc/{rank_pid}/fd").iterdir():
+        target = Path(os.readlink(fd))
+        if target.name.startswith("stacks"):
+            return target.parent
+    raise AssertionError(f"rank {rank_pid} has no stack file open")
+
+
+def test_processes_a_case_starts_are_gone_when_it_ends(tmp_path):
+    pid_file = tmp_path / "pids"
+    tests = CASE_PROCESSES_TESTS.format(pid_file=pid_file, pid_file_name=pid_file.name)
+    write_session(tmp_path, {"test_case_processes.py": tests})
+    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "1,2", "-k", "W2 or gone", "--dcp-timeout", "20"])
+    assert code == 0, output
+    assert "2 passed" in output, output
