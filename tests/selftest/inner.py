@@ -39,5 +39,10 @@ def start_inner_pytest(tmp_path: Path, args: list[str], **env) -> subprocess.Pop
 
 def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
     proc = start_inner_pytest(tmp_path, args, **env)
-    output, _ = proc.communicate(timeout=timeout)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a hung inner session must not outlive its test
+        output, _ = proc.communicate()
+        raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}") from None
     return proc.returncode, output
