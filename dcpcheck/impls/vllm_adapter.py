@@ -90,8 +90,8 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
         KnownDefect(
             capability="combine",
             applies=lambda terms: terms.world_size > 1 and "garbage_under_sentinel" in terms.properties,
-            reason="the combine kernels give the -1e30 empty-row sentinel weight, so the garbage under it "
-            "is summed (docs/vllm.md, known defect 3)",
+            reason="the combine kernels give finite empty-band LSEs (-1e30, -1e29, -FLT_MAX) weight, so the "
+            "garbage under them is summed (docs/vllm.md, known defect 3)",
         ),
         KnownDefect(
             capability="combine",
