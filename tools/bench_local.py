@@ -13,7 +13,6 @@ backend must move through HBM. Eager and CUDA-graph replay, median over calls.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_combine import time_calls  # this script's folder is on sys.path
 
 from dcpcheck.impls.registry import load_implementation
 
@@ -74,20 +75,12 @@ def time_us(fn, *, warmup: int, iters: int, graph: bool) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    call = fn
-    if graph:
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            fn()
-        call = cuda_graph.replay
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        call()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    if not graph:
+        return time_calls(fn, iters)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        fn()
+    return time_calls(cuda_graph.replay, iters)
 
 
 def measure(impl, args) -> list[list[str]]:
