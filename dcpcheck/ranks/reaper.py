@@ -46,9 +46,9 @@ def become_subreaper() -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process."""
-    found = {}
+def _process_table() -> list[tuple[int, str, int]]:
+    """(pid, state letter, parent pid) of every process in /proc."""
+    table = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -58,9 +58,13 @@ def _parents() -> dict[int, int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] not in "ZX":
-            found[int(entry.name)] = int(fields[1])
-    return found
+        table.append((int(entry.name), fields[0], int(fields[1])))
+    return table
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    return {pid: ppid for pid, state, ppid in _process_table() if state not in "ZX"}
 
 
 def descendants(root: int) -> set[int]:
@@ -115,19 +119,11 @@ def kill_tree(root: int, *, include_root: bool) -> set[int]:
 def reap_exited_children(keep: set[int] = frozenset()) -> None:
     """Reap this process's exited children (a subreaper inherits detached
     ones, which nobody else will wait for), except those in ``keep``."""
-    me = str(os.getpid())
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in keep:
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z" and fields[1] == me:
+    me = os.getpid()
+    for pid, state, ppid in _process_table():
+        if state == "Z" and ppid == me and pid not in keep:
             try:
-                os.waitpid(int(entry.name), os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
 
