@@ -10,8 +10,8 @@ function runs inside pytest).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -115,3 +115,12 @@ def environment(name: str, value: str | None) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextmanager
+def environments(values: Mapping[str, str | None]) -> Iterator[None]:
+    """:func:`environment` for several variables at once."""
+    with ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(environment(name, value))
+        yield

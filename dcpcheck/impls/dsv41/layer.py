@@ -38,6 +38,7 @@ import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
+from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
 NULL_PAGE = 0
@@ -124,10 +125,10 @@ def build_port_layer(
 ):
     """The tree's attention class, its own ``__init__`` run on a weightless base.
     ``prefill_gather`` picks the module imported with DSV41_DCP_PREFILL_GATHER=1 or 0."""
-    environ = dict(os.environ, **{COMBINE_ENV: backend})
+    overrides = {COMBINE_ENV: backend}
     if prefill_gather is not None:
-        environ[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
-    module = tree.module(environ)
+        overrides[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
+    module = tree.module(dict(os.environ, **overrides))
     cls = getattr(module, tree.spec.cls)
     base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
     interleave_tokens = spec.interleave * max(spec.rho, 1)
@@ -180,7 +181,7 @@ def build_port_layer(
         patched(base, __init__=weightless_init),
         patched(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}),
         patched(flashinfer_utils, **config_check),
-        _environment(environ),
+        environments(overrides),
     ):
         layer = cls(
             config,
@@ -192,16 +193,3 @@ def build_port_layer(
     else:
         layer.DCP_PREFILL_TOKEN_CHUNK = spec.max_num_batched_tokens
     return layer, module
-
-
-class _environment:
-    def __init__(self, environ):
-        self.environ = environ
-
-    def __enter__(self):
-        self.saved = dict(os.environ)
-        os.environ.update(self.environ)
-
-    def __exit__(self, *exc):
-        os.environ.clear()
-        os.environ.update(self.saved)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.spies import environments
 
 DEFAULT_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
 DEFAULT_CLASS = "DeepseekV4FlashInferSM120Attention"
@@ -101,23 +101,16 @@ def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(private, path)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = module_name.rpartition(".")[0]
-    saved = {name: os.environ.get(name) for name in environ}
-    os.environ.update(environ)
     try:
-        sys.modules[private] = module
-        spec.loader.exec_module(module)
+        with environments(environ):
+            sys.modules[private] = module
+            spec.loader.exec_module(module)
     except ImportError as exc:
         sys.modules.pop(private, None)
         raise PortSpecError(
             f"{path} does not import: {exc}. A DCP2 port needs the companion changes the diff relies on "
             f"(docs/dsv41.md, 'What the seed diff needs from the rest of the DCP2 stack'); {INSTALL_HINT}"
         ) from exc
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return module
 
 
