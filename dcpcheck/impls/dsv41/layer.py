@@ -166,17 +166,14 @@ def build_port_layer(
         self.dcp_rank = group.rank_in_group
         self.cp_kv_cache_interleave_size = vllm_config.parallel_config.cp_kv_cache_interleave_size
 
-    replacements = {"get_dcp_group": lambda: group}
-    if tree.kernel_reason is not None:
-        replacements["compute_fp8_einsum_recipe"] = lambda block_size=128: (
-            (1, 1, block_size),
-            True,
-        )
+    # The fp8 einsum recipe asserts a CUDA device; the reference kernel needs none.
+    replacements = {
+        "get_dcp_group": lambda: group,
+        "compute_fp8_einsum_recipe": lambda block_size=128: ((1, 1, block_size), True),
+    }
     import vllm.utils.flashinfer as flashinfer_utils
 
-    config_check = {}
-    if tree.kernel_reason is not None:
-        config_check["has_flashinfer_sparse_mla_sm120_config"] = reference_kernel.has_sm120_config
+    config_check = {"has_flashinfer_sparse_mla_sm120_config": reference_kernel.has_sm120_config}
     with (
         patched(base, __init__=weightless_init),
         patched(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}),

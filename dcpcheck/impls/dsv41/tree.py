@@ -3,8 +3,9 @@
 The port reads its switches (``DSV41_DCP_PREFILL_GATHER``) when its module is
 imported, so each distinct environment gets its own module object executed
 from the tree's file: what a server started with that environment runs.
-Where the SM120 kernel cannot run, the module's own kernel names are bound to
-:mod:`.reference_kernel`; everything else is the tree's code.
+The module's own kernel names are bound to :mod:`.reference_kernel` (the SM120
+kernel needs an SM120 GPU and fp8_ds_mla caches, which the driver does not
+write); everything else is the tree's code.
 """
 
 from __future__ import annotations
@@ -68,20 +69,21 @@ class PortSpec:
         return cls(parts[1], parts[2])
 
 
-def kernel_runs_here() -> str | None:
-    """None when FlashInfer's SM120 kernel can run in this process, else why not."""
+def reference_kernel_reason() -> str:
+    """Why the reference kernel stands in for FlashInfer's SM120 kernel here.
+
+    The SM120 kernel reads caches in the fp8_ds_mla layout; the driver fills
+    bf16 caches, so even on SM120 the real kernel would reject them. Binding it
+    would turn that into false failures, so the reference is always used and
+    the header says why."""
     import torch
 
     if not torch.cuda.is_available():
-        return "no GPU"
+        return "SM120 kernel not runnable here: no GPU"
     major, minor = torch.cuda.get_device_capability()
     if major != 12:
-        return f"SM{major}{minor}, the kernel needs SM120"
-    try:
-        import flashinfer.mla._core  # noqa: F401
-    except ImportError as exc:
-        return f"flashinfer not importable ({exc})"
-    return None
+        return f"SM120 kernel not runnable here: SM{major}{minor}, the kernel needs SM120"
+    return "the SM120 kernel reads fp8_ds_mla caches; dcpcheck's caches are bf16"
 
 
 def _file_of(module_name: str) -> str:
@@ -120,7 +122,7 @@ class PortTree:
     def __init__(self, spec: PortSpec):
         self.spec = spec
         self._modules: dict[tuple, types.ModuleType] = {}
-        self.kernel_reason = kernel_runs_here()
+        self.kernel = f"reference ({reference_kernel_reason()})"
         module = self.module({})
         attention = getattr(module, spec.cls, None)
         if attention is None:
@@ -135,23 +137,14 @@ class PortTree:
                 f"Apply the DCP2 diff to this tree (README, 'Checking your DCP2 port')"
             )
 
-    @property
-    def kernel(self) -> str:
-        if self.kernel_reason is None:
-            return "FlashInfer SM120"
-        return f"reference (SM120 kernel not runnable here: {self.kernel_reason})"
-
     def module(self, environ: dict[str, str]) -> types.ModuleType:
         """The port module as imported under ``environ`` (only the variables it reads at import)."""
         key = tuple(sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT))
         module = self._modules.get(key)
         if module is None:
             module = _execute(self.spec.module, dict(key))
-            if self.kernel_reason is not None:
-                module._sm120_sparse_attention_with_lse = reference_kernel.sm120_sparse_attention_with_lse
-                module.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = (
-                    reference_kernel.trtllm_batch_decode_sparse_mla_dsv4
-                )
+            module._sm120_sparse_attention_with_lse = reference_kernel.sm120_sparse_attention_with_lse
+            module.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = reference_kernel.trtllm_batch_decode_sparse_mla_dsv4
             self._modules[key] = module
         return module
 
