@@ -2,13 +2,16 @@
 """Pre-merge GPU CI: the staged suite on the GPUs of this host.
 
 Runs, in order, one pytest process per step with ``--device cuda`` and
-``--junitxml``: the harness self-tests (spawned NCCL pool: failing, stuck and
+``--junitxml``: the harness self-tests (spawned pool: failing, stuck and
 killed ranks), stage 1, stage 3, stage 9, end to end (each stage with its
 realistic-shape GPU tests from tests/gpu), then the stage tests once more
-under ``torchrun --nproc-per-node <GPUs>``. Then it reads the JUnit files and
-prints a summary (step x stage x W x backend: cases passed / failed /
-skipped, worst error), also written to ``<out>/summary.md``. Exits 1 when a
-case failed or a step broke, 2 when the host has no GPU.
+under ``torchrun --nproc-per-node <max(GPUs, 2)>``. World sizes above the GPU
+count share GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them
+all. Then it reads the JUnit files and prints a summary (step x stage x W x
+backend x ranks: cases passed / failed / skipped, worst error, peak GPU
+memory), also written to ``<out>/summary.md``; the ranks column says which
+cases ran on NCCL and which on gloo. Exits 1 when a case failed or a step
+broke, 2 when the host has no GPU.
 
     python tools/gpu_ci.py --out gpu-ci            # on a GPU host, from the repo root
 """
@@ -24,6 +27,8 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,16 +89,18 @@ class Row:
     skipped: int = 0
     worst_ratios: list = field(default_factory=list)
     max_abs_errs: list = field(default_factory=list)
+    gpu_peak_bytes: int = 0
 
 
-def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str]:
-    """(step, stage, W, backend) of a JUnit testcase, from the properties
-    the plugin records, else from the test id (skipped cases have none)."""
+def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str, str]:
+    """(step, stage, W, backend, ranks) of a JUnit testcase, from the
+    properties the plugin records, else from the test id (skipped cases have
+    none)."""
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
     name = case.get("name", "")
     world = props.get("dcp_world_size") or next(iter(re.findall(r"[\[-]W(\d+)[-\]]", name)), "-")
     backend = props.get("dcp_backend") or next(iter(re.findall(r"\b(ag_rs|a2a)\b", name)), "-")
-    return step, props.get("dcp_stage", "harness"), world, backend
+    return step, props.get("dcp_stage", "harness"), world, backend, props.get("dcp_ranks", "-")
 
 
 def summarize(junit_files: dict[str, Path]) -> dict[tuple, Row]:
@@ -114,18 +121,21 @@ def summarize(junit_files: dict[str, Path]) -> dict[tuple, Row]:
                     row.worst_ratios.append(float(props["dcp_worst_ratio"]))
                 if "dcp_max_abs_err" in props:
                     row.max_abs_errs.append(float(props["dcp_max_abs_err"]))
+                peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
+                row.gpu_peak_bytes = max([row.gpu_peak_bytes, *peaks])
     return rows
 
 
 def render(rows: dict[tuple, Row], timings: dict[str, tuple[int, float]]) -> str:
     """A markdown table: one line per (step, stage, W, backend)."""
     lines = [
-        "| step | stage | W | backend | cases | passed | failed | skipped | worst err/tol | max abs err |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| step | stage | W | backend | ranks | cases | passed | failed | skipped | worst err/tol | max abs err "
+        "| peak GPU GiB |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def order(key):
-        step, stage, world, backend = key
+        step, stage, world, backend, _ = key
         return (
             list(timings).index(step) if step in timings else 99,
             stage,
@@ -137,9 +147,11 @@ def render(rows: dict[tuple, Row], timings: dict[str, tuple[int, float]]) -> str
         row = rows[key]
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
+        peak = f"{row.gpu_peak_bytes / 2**30:.2f}" if row.gpu_peak_bytes else "-"
         cases = row.passed + row.failed + row.skipped
         lines.append(
-            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} |"
+            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} "
+            f"| {peak} |"
         )
     lines += ["", "| step | exit | seconds |", "|---|---:|---:|"]
     lines += [f"| {step} | {code} | {seconds:.1f} |" for step, (code, seconds) in timings.items()]
@@ -185,7 +197,7 @@ def main(argv=None) -> int:
         for name, paths in POOL_STEPS
         if expand(paths)
     ]
-    ranks = max(gpus, 1) if args.device == "cuda" else 2
+    ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     steps.append(("torchrun", torchrun + pytest_args(args, expand(TORCHRUN_PATHS), out / "torchrun.xml")))
 

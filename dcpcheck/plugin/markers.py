@@ -15,6 +15,8 @@ MARKERS = (
     "needs(*capabilities): implementation capabilities the test calls; skipped when one is missing",
     "world_sizes(*sizes): the DCP world sizes the test supports (default 1, 2, 4, 8)",
     "gpu: needs CUDA devices",
+    "nccl: needs NCCL between the ranks (e.g. CUDA-graph capture of collectives); skipped where ranks share a GPU",
+    "gpu_memory(gib_per_rank): GPU memory one rank needs; skipped where the ranks sharing a GPU would not fit",
     "spawned_only: needs the spawned pool (skipped under torchrun)",
     "scenario(*properties): named properties of the case's scenario (dcpcheck.impls.protocol."
     "SCENARIO_PROPERTIES), handed to the implementation's known_defect and unavailable_reason",
@@ -50,13 +52,7 @@ def _world_size_skip(session: DcpSession, world_size: int) -> str | None:
     if world_size not in session.selected_world_sizes:
         sizes = ",".join(map(str, session.selected_world_sizes))
         return f"W={world_size} is not selected (--world-sizes {sizes}); add it to --world-sizes to run it"
-    if session.device_type == "cuda":
-        import torch
-
-        count = torch.cuda.device_count()
-        if world_size > count:
-            return f"W={world_size} needs {world_size} GPUs (one per rank); this host has {count}"
-    return None
+    return session.placement_refused(world_size)
 
 
 def _skip_reason(item, session: DcpSession) -> str | None:
@@ -74,7 +70,36 @@ def _skip_reason(item, session: DcpSession) -> str | None:
         return f"implementation {session.impl_spec!r} lacks capability {', '.join(missing)}"
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "dcp" in callspec.params:
-        return _world_size_skip(session, callspec.params["dcp"])
+        world_size = callspec.params["dcp"]
+        return _world_size_skip(session, world_size) or _placement_skip(item, session, world_size)
+    return None
+
+
+# What a GPU may hold of the ranks' declared needs: the rest is CUDA contexts
+# (one per rank, of every pool alive) and allocator slack.
+GPU_MEMORY_USABLE = 0.85
+
+
+def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
+    if session.device_type != "cuda":
+        return None
+    placement = session.placement(world_size)
+    if item.get_closest_marker("nccl") and placement.backend != "nccl":
+        return (
+            f"needs NCCL between the ranks; at W={world_size} they run {placement.describe()} "
+            "(NCCL refuses two ranks on one GPU, and CUDA graphs cannot capture gloo collectives)"
+        )
+    memory = item.get_closest_marker("gpu_memory")
+    if memory:
+        import torch
+
+        need_gib = memory.args[0] * placement.ranks_per_gpu
+        total_gib = min(torch.cuda.get_device_properties(i).total_memory for i in range(placement.gpus_used)) / 2**30
+        if need_gib > GPU_MEMORY_USABLE * total_gib:
+            return (
+                f"needs {memory.args[0]:g} GiB per rank; at W={world_size} ({placement.describe()}) a GPU would "
+                f"hold {need_gib:g} GiB, above {GPU_MEMORY_USABLE:.0%} of its {total_gib:.0f} GiB"
+            )
     return None
 
 

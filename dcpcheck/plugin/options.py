@@ -21,7 +21,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--world-sizes",
         default=None,
-        help="comma-separated DCP world sizes to run (default 1,2,4 on CPU; 1,2,4,8 on CUDA, capped by the GPU count)",
+        help="comma-separated DCP world sizes to run (default 1,2,4 on CPU; 1,2,4,8 on CUDA, whatever the GPU count)",
     )
     group.addoption(
         "--dcp-timeout",
@@ -40,6 +40,13 @@ def pytest_addoption(parser):
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="where ranks run: auto = cuda when a GPU is visible, else cpu",
+    )
+    group.addoption(
+        "--gpu-sharing",
+        choices=("on", "off"),
+        default="on",
+        help="on CUDA, with fewer GPUs than ranks: on (default) = rank r on cuda:(r %% GPUs), gloo between them; "
+        "off = skip such world sizes (torchrun: refuse)",
     )
     group.addoption("--dcp-seed", type=int, default=0, help="base seed; each test adds a stable hash of its id")
 
@@ -66,6 +73,14 @@ def resolve_device(choice: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: no CUDA device is visible (use --device cpu or auto)")
     return choice
+
+
+def visible_gpus(device_type: str) -> int:
+    if device_type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _seconds(config, name: str) -> float:

@@ -45,6 +45,8 @@ class ThreadedCall:
 # Keys of a rank function's stats dict that are worst errors: the largest over
 # the ranks becomes a JUnit property (dcp_<key>) for tools/gpu_ci.py.
 WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
+# JUnit property prefix of a case's peak GPU memory, in bytes, per GPU (dcp_gpu_peak_bytes:cuda:0).
+GPU_PEAK_PROPERTY = "dcp_gpu_peak_bytes:"
 
 
 class DcpRunner:
@@ -65,7 +67,7 @@ class DcpRunner:
         return {
             "stage": stage_label(self.stage) if self.stage is not None else "harness",
             "W": self.world_size,
-            "device": f"{self.device_type}/{self.session.backend}",
+            "device": self.session.placement(self.world_size).describe(),
             "impl": self.session.impl_spec,
             "mode": self.session.mode,
             "seed": self.seed,
@@ -98,6 +100,7 @@ class DcpRunner:
             # this reason, a pass as XPASS (the defect may be fixed).
             self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
         self._node.user_properties.append(("dcp_world_size", self.world_size))
+        self._node.user_properties.append(("dcp_ranks", self.session.placement(self.world_size).describe()))
         if case.get("backend"):
             self._node.user_properties.append(("dcp_backend", case["backend"]))
         try:
@@ -118,6 +121,7 @@ class DcpRunner:
             pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
         values = [result.outcomes[rank].value for rank in range(self.world_size)]
         self._record_worst_errors(values)
+        self._record_gpu_peaks(result)
         return values
 
     def _ask(self, method: str, terms, timeout: float):
@@ -141,6 +145,15 @@ class DcpRunner:
             found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
             if found:
                 self._node.user_properties.append((f"dcp_{key}", max(found)))
+
+    def _record_gpu_peaks(self, result) -> None:
+        """Per GPU, the sum of its ranks' peaks (they ran at the same time)."""
+        peaks: dict[str, int] = {}
+        for outcome in result.outcomes.values():
+            if outcome.gpu is not None:
+                peaks[outcome.gpu] = peaks.get(outcome.gpu, 0) + outcome.gpu_peak_bytes
+        for gpu, peak in sorted(peaks.items()):
+            self._node.user_properties.append((f"{GPU_PEAK_PROPERTY}{gpu}", peak))
 
 
 @pytest.fixture

@@ -9,8 +9,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from dcpcheck.plugin.options import case_timeout, resolve_device, selected_world_sizes, startup_timeout
+from dcpcheck.plugin.options import (
+    case_timeout,
+    resolve_device,
+    selected_world_sizes,
+    startup_timeout,
+    visible_gpus,
+)
 from dcpcheck.ranks.launcher import Launcher
+from dcpcheck.ranks.placement import Placement
 from dcpcheck.stages import StageValueError, reached_stage
 
 
@@ -24,12 +31,34 @@ class DcpSession:
     startup_timeout: float
     base_seed: int
     reached: int | None
+    gpus: int = 0  # visible GPUs (0 on CPU)
+    gpu_sharing: bool = True
     torchrun_world_size: int | None = None
     _launcher: Launcher | None = None
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device_type == "cuda" else "gloo"
+    def placement(self, world_size: int) -> Placement:
+        return Placement(self.device_type, world_size, self.gpus)
+
+    def placement_refused(self, world_size: int) -> str | None:
+        """Why ``world_size`` cannot run on this host as configured, else None."""
+        placement = self.placement(world_size)
+        if placement.shares_gpus and not self.gpu_sharing:
+            return (
+                f"W={world_size} needs {world_size} GPUs (one per rank) with --gpu-sharing off; "
+                f"this host has {self.gpus}"
+            )
+        return None
+
+    def describe_devices(self) -> str:
+        """The device and backend of every world size this session runs, for the headers."""
+        sizes = (self.torchrun_world_size,) if self.torchrun_world_size else self.selected_world_sizes
+        placements: dict[str, list[int]] = {}
+        for world_size in sizes:
+            if self.placement_refused(world_size) is None:
+                placements.setdefault(self.placement(world_size).describe(), []).append(world_size)
+        if len(placements) == 1:
+            return next(iter(placements))
+        return "; ".join(f"{kind} at W={','.join(map(str, sizes))}" for kind, sizes in placements.items())
 
     @property
     def mode(self) -> str:
@@ -42,12 +71,12 @@ class DcpSession:
             if self.torchrun_world_size:
                 from dcpcheck.ranks.torchrun import InProcessRanks
 
-                self._launcher = InProcessRanks(self.device_type, self.timeout)
+                self._launcher = InProcessRanks(self.placement(self.torchrun_world_size), self.timeout)
             else:
                 from dcpcheck.ranks.spawned import SpawnedRanks
 
                 self._launcher = SpawnedRanks(
-                    self.device_type, case_timeout=self.timeout, startup_timeout=self.startup_timeout
+                    self.placement, case_timeout=self.timeout, startup_timeout=self.startup_timeout
                 )
         return self._launcher
 
@@ -99,6 +128,8 @@ def pytest_configure(config):
         start_timeout,
         config.getoption("dcp_seed"),
         reached,
+        gpus=visible_gpus(device_type),
+        gpu_sharing=config.getoption("gpu_sharing") == "on",
     )
     config.stash[SESSION] = session
 
@@ -106,6 +137,9 @@ def pytest_configure(config):
 
     if launched_by_torchrun():
         session.torchrun_world_size = launcher_world_size()
+        refused = session.placement_refused(session.torchrun_world_size)
+        if refused:
+            raise pytest.UsageError(f"torchrun: {refused}; drop --gpu-sharing off to share GPUs over gloo")
         if launcher_rank() != 0:
             # Only rank 0 reports (terminal and --junitxml); all ranks still
             # agree on every outcome.

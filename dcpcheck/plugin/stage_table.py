@@ -3,6 +3,7 @@ which stages hold."""
 
 from __future__ import annotations
 
+from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
 from dcpcheck.plugin.session import SESSION
 from dcpcheck.stages import STAGE_ENV, STAGES
 
@@ -12,9 +13,15 @@ COLUMNS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counts: dict = {}
+    gpu_peaks: dict[str, int] = {}
     for outcome in OUTCOMES:
         for report in terminalreporter.stats.get(outcome, []):
-            stage = dict(getattr(report, "user_properties", ())).get("dcp_stage")
+            properties = dict(getattr(report, "user_properties", ()))
+            for name, value in properties.items():
+                if name.startswith(GPU_PEAK_PROPERTY):
+                    gpu = name[len(GPU_PEAK_PROPERTY) :]
+                    gpu_peaks[gpu] = max(gpu_peaks.get(gpu, 0), value)
+            stage = properties.get("dcp_stage")
             if stage is None or (report.when != "call" and outcome == "passed"):
                 continue
             row = counts.setdefault(stage, {})
@@ -25,7 +32,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = config.stash.get(SESSION, None)
     if session is not None:
         terminalreporter.write_line(
-            f"impl={session.impl_spec} device={session.device_type}/{session.backend} "
+            f"impl={session.impl_spec} device={session.describe_devices()} "
             f"mode={session.mode} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
         describe = getattr(session.impl, "describe", None)
@@ -37,3 +44,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         row = counts[stage]
         name = f"{stage} {STAGES.get(stage, '')}"
         terminalreporter.write_line(f"{name:<40}" + "".join(f"{row.get(c, 0):>9}" for c in COLUMNS))
+    if gpu_peaks:
+        # The largest case per GPU: what a runner must have free to run this selection.
+        peaks = ", ".join(f"{gpu} {peak / 2**30:.2f} GiB" for gpu, peak in sorted(gpu_peaks.items()))
+        terminalreporter.write_line(f"peak GPU memory of one case (its ranks together): {peaks}")

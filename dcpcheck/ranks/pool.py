@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from dcpcheck.ranks.launcher import PEER_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process, process_state_letter
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
 from dcpcheck.ranks.reaper import kill_tree
@@ -59,11 +60,10 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class RankPool:
-    def __init__(
-        self, world_size: int, device: str, *, impl_spec: str, startup_timeout: float, collective_timeout: float
-    ):
-        self.world_size = world_size
-        self.device = device
+    def __init__(self, placement: Placement, *, impl_spec: str, startup_timeout: float, collective_timeout: float):
+        self.placement = placement
+        self.world_size = placement.world_size
+        self.device = placement.device_type
         self.impl_spec = impl_spec
         self.startup_timeout = startup_timeout
         self.collective_timeout = collective_timeout
@@ -118,6 +118,7 @@ class RankPool:
             "--tmpdir", str(self.tmpdir),
             "--world-size", str(self.world_size),
             "--device", self.device,
+            "--gpus", str(self.placement.gpus),
             "--impl", self.impl_spec,
             "--collective-timeout", str(self.collective_timeout),
             "--parent-pid", str(os.getpid()),
@@ -179,7 +180,7 @@ class RankPool:
         logs = [f"--- zygote log ---\n{_tail(self.tmpdir / 'zygote.log')}"]
         logs += [f"--- rank {r} log ---\n{_tail(self._log(r))}" for r in range(self.world_size)]
         raise LaunchError(
-            f"could not start {self.world_size} {self.device} ranks ({phase} phase): "
+            f"could not start {self.world_size} ranks ({self.placement.describe()}; {phase} phase): "
             + ("; ".join(what) or f"timed out after {self.startup_timeout:.0f} s")
             + "\n"
             + "\n".join(logs)

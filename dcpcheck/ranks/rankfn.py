@@ -7,6 +7,7 @@ failure and may return a small picklable value (stats for the summary).
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class RankOutcome:
     error: str = ""  # "ExcType: message" + traceback, for a failed rank
     value: Any = None
     seconds: float = 0.0
+    gpu: str | None = None  # the rank's GPU ("cuda:0"), None on CPU
+    gpu_peak_bytes: int = 0  # the most the case had allocated on it at once
 
 
 # At most this much of one rank's error text reaches the failure message (a
@@ -95,9 +98,19 @@ def _leak_error(rank: int, leaked: list[str]) -> str:
     )
 
 
-def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
+def _release_gpu_memory(device: torch.device) -> tuple[str, int]:
+    """-> (the GPU, the case's peak allocation); then give the allocator's
+    cache back, so that the next case, and the pools of other world sizes
+    sharing this GPU, find it free."""
+    peak = torch.cuda.max_memory_allocated(device)
+    gc.collect()  # tensors held only by reference cycles of the case
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return str(device), peak
+
+
+def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
     start = time.perf_counter()
-    state = CaseState(ctx.seed)
     try:
         value = fn(ctx, **ctx.case)
         if ctx.device.type == "cuda":
@@ -112,3 +125,10 @@ def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     if leaked:
         return RankOutcome(ctx.rank, False, _leak_error(ctx.rank, leaked), value, time.perf_counter() - start)
     return RankOutcome(ctx.rank, True, "", value, time.perf_counter() - start)
+
+
+def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
+    outcome = _run(fn, ctx, CaseState(ctx.seed))
+    if ctx.device.type == "cuda":
+        outcome.gpu, outcome.gpu_peak_bytes = _release_gpu_memory(ctx.device)
+    return outcome

@@ -10,13 +10,16 @@ pool at the end of the session.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import RankPool
 
 
 class SpawnedRanks:
-    def __init__(self, device_type: str, *, case_timeout: float, startup_timeout: float):
-        self.device_type = device_type
+    def __init__(self, placement: Callable[[int], Placement], *, case_timeout: float, startup_timeout: float):
+        self.placement = placement  # world size -> where its ranks run
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
@@ -37,8 +40,7 @@ class SpawnedRanks:
                 + self.start_failures[world_size]
             )
         pool = RankPool(
-            world_size,
-            self.device_type,
+            self.placement(world_size),
             impl_spec=impl_spec,
             startup_timeout=self.startup_timeout,
             collective_timeout=self.collective_timeout,

@@ -38,6 +38,7 @@ from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, CaseResult
 from dcpcheck.ranks.outcome_board import OutcomeBoard, RankReport
+from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process
 from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, run_rank_case
 from dcpcheck.ranks.reaper import become_subreaper, descendants, die_with_parent, end_case_processes
@@ -95,24 +96,23 @@ def _thread_stack(thread: threading.Thread) -> str:
 class InProcessRanks:
     """This process is one rank of the launcher's world."""
 
-    def __init__(self, device_type: str, case_timeout: float):
+    def __init__(self, placement: Placement, case_timeout: float):
         self.rank = launcher_rank()
         self.world_size = launcher_world_size()
         die_with_parent(signal.SIGKILL, os.getppid())
         become_subreaper()
-        self.device_type = device_type
+        self.backend = placement.backend
         self.case_timeout = case_timeout
-        if device_type == "cuda":
-            self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        self.device = placement.device(int(os.environ["LOCAL_RANK"]))
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.backend == "nccl":
             os.environ.setdefault(*NCCL_ERROR_HANDLING)
-        else:
-            self.device = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group(
-                "nccl" if device_type == "cuda" else "gloo",
+                self.backend,
                 timeout=timedelta(seconds=case_timeout + COLLECTIVE_TIMEOUT_GRACE_S),
-                **({"device_id": self.device} if device_type == "cuda" else {}),
+                **({"device_id": self.device} if self.backend == "nccl" else {}),
             )
         self.board = OutcomeBoard(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self.board.announce()
@@ -126,8 +126,8 @@ class InProcessRanks:
         # Longer than the case timeout: a stuck case is ended (and its stacks
         # read) by the main thread, not by its collective raising first.
         timeout = timedelta(seconds=self.case_timeout + COLLECTIVE_TIMEOUT_GRACE_S)
-        device_group = dist.new_group(backend="nccl" if self.device_type == "cuda" else "gloo", timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.device_type == "cuda" else device_group
+        device_group = dist.new_group(backend=self.backend, timeout=timeout)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else device_group
         return DcpGroup(self.rank, self.world_size, self.device, device_group, cpu_group)
 
     def run(
@@ -193,10 +193,10 @@ class InProcessRanks:
         return RankReport(self.rank, outcome=thread.outcome)
 
     def _abandon(self, thread: _CaseThread) -> None:
-        """On CUDA, abort the stuck group's communicator so that the stuck
+        """Under NCCL, abort the stuck group's communicator so that the stuck
         kernel exits: NCCL's own watchdog was seen blocked for as long as the
         case thread waited on the kernel (in ``.item()``)."""
-        if self.device_type == "cuda":
+        if self.backend == "nccl":
             self.group.device_group.abort()
             thread.join(PEER_GRACE_S)
 

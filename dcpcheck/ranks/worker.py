@@ -49,19 +49,23 @@ def _init_group(args):
     import torch.distributed as dist
 
     from dcpcheck.ranks.group import DcpGroup
+    from dcpcheck.ranks.placement import Placement
 
     timeout = timedelta(seconds=args.collective_timeout)
     store = dist.FileStore(args.store, args.world_size)
-    if args.device == "cuda":
-        device = torch.device("cuda", args.rank)
+    placement = Placement(args.device, args.world_size, args.gpus)
+    device = placement.device(args.rank)
+    if placement.backend == "nccl":
         torch.cuda.set_device(device)
         dist.init_process_group(
             "nccl", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout, device_id=device
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)  # W ranks share few cores: oversubscription costs more than it gives
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # gloo moves the CUDA tensors itself; kernels run here
+        else:
+            torch.set_num_threads(1)  # W ranks share few cores: oversubscription costs more than it gives
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout)
         cpu_group = dist.group.WORLD
     return DcpGroup(
@@ -193,6 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tmpdir", required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--impl", required=True)
     parser.add_argument("--collective-timeout", type=float, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)

@@ -18,7 +18,8 @@ from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_COMBINE
 from tests.gpu.common import profile_name, summary
 
-pytestmark = [pytest.mark.gpu, pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
+# CUDA graphs capture NCCL collectives, never gloo ones: ranks sharing a GPU skip.
+pytestmark = [pytest.mark.gpu, pytest.mark.nccl, pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine")]
 
 REPLAYS = 3
 
