@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dcpcheck.oracle.attention import SINK_SCHEMES
+
 
 @dataclass(frozen=True)
 class Conventions:
@@ -30,6 +32,16 @@ class Conventions:
     local_heads: int | None = None
     # LSE bases the combine is called with by the implementation itself.
     lse_bases: tuple[float, ...] = (2.0, math.e)
+    # Where partial_attention and dcp_attention fold the sink, one of
+    # SINK_SCHEMES: "rank0" (rank 0's partial only), "after_merge" (once into
+    # the merged result), "minus_log_w" (sink - ln W into every rank's partial).
+    sink_scheme: str = "rank0"
+
+    def __post_init__(self):
+        if self.sink_scheme not in SINK_SCHEMES:
+            raise ValueError(
+                f"Conventions.sink_scheme={self.sink_scheme!r}; accepted: {', '.join(map(repr, SINK_SCHEMES))}"
+            )
 
 
 def conventions_of(impl) -> Conventions:

@@ -8,6 +8,9 @@ LSE convention (DESIGN.md section 1): ``lse = log_b(sum_j exp(z_j))`` with
 natural logits ``z_j = scale * q.k_j``, i.e. the base-b logarithm of the
 softmax denominator; a sink adds ``exp(sink)`` to that denominator. An empty
 row has ``out = 0`` and ``lse = EMPTY_LSE``.
+
+Sink schemes (docs/CONTRACT.md section 3): where a DCP port folds the sink
+so that the merge of the W partials carries it exactly once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ EMPTY_LSE = -1e30
 # (x ln 2 or / ln 2, at least -6.9e28). Above it an LSE is real mass, however
 # negative (a finite mask of -5e4 gives about that).
 EMPTY_LSE_BOUND = -1e28
+
+# rank0: into rank 0's partial only (the embedded port, the seed DCP2 port);
+# after_merge: once into the merged result, the partials carry none (vLLM's
+# DSV4 DCP); minus_log_w: ``sink - ln W`` into every rank's partial, whose W
+# terms exp(sink - ln W) sum to one exp(sink) (SGLang).
+SINK_SCHEMES = ("rank0", "after_merge", "minus_log_w")
 
 
 def is_empty_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -80,6 +89,51 @@ def sparse_attention(
     out = torch.einsum("thk,tkd->thd", probs[:, :, : kv.shape[1]], kv)
     lse = (lse_natural / math.log(lse_base)).masked_fill(empty, EMPTY_LSE)
     return out, lse
+
+
+def check_sink_scheme(scheme: str) -> None:
+    if scheme not in SINK_SCHEMES:
+        raise ValueError(f"sink scheme {scheme!r}; accepted: {', '.join(map(repr, SINK_SCHEMES))}")
+
+
+def partial_sink(sink: torch.Tensor | None, *, scheme: str, rank: int, world_size: int) -> torch.Tensor | None:
+    """The sink ``rank`` of ``world_size`` folds into its partial under
+    ``scheme`` (None: it folds none). With it, the merge of the W partials
+    carries the sink once, except under ``after_merge`` (:func:`finish_merge`)."""
+    check_sink_scheme(scheme)
+    if sink is None or scheme == "after_merge" or (scheme == "rank0" and rank != 0):
+        return None
+    if scheme == "minus_log_w":
+        return sink.detach().cpu().to(torch.float64) - math.log(world_size)
+    return sink
+
+
+def fold_sink(
+    out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, *, lse_base: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A result ``(out [T, H, D], lse [T, H] in lse_base)`` with the sink
+    [H] folded in once, in float64: ``exp(sink)`` joins its denominator, so
+    ``lse' = log_b(b^lse + exp(sink))`` and ``out' = out * b^(lse - lse')``.
+    An empty row becomes the sink's: ``lse' = sink / ln b``, ``out' = 0``."""
+    out = out.detach().cpu().to(torch.float64)
+    lse = lse.detach().cpu().to(torch.float64)
+    natural = (lse * math.log(lse_base)).masked_fill(is_empty_lse(lse), -math.inf)
+    sink_natural = sink.detach().cpu().to(torch.float64).expand_as(natural)
+    folded = torch.logaddexp(natural, sink_natural)
+    weight = torch.exp(natural - folded)  # 0 for an empty row
+    return torch.where(weight[..., None] > 0, out * weight[..., None], 0.0), folded / math.log(lse_base)
+
+
+def finish_merge(
+    out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, *, scheme: str, lse_base: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end result of a merge of partials made under ``scheme``: under
+    ``after_merge`` the sink is folded into it now (float64), under the
+    other schemes the partials carried it and the merge is returned as given."""
+    check_sink_scheme(scheme)
+    if scheme != "after_merge" or sink is None:
+        return out, lse
+    return fold_sink(out, lse, sink, lse_base=lse_base)
 
 
 def merge_partials(
