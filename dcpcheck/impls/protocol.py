@@ -150,9 +150,11 @@ class DcpImplementation(Protocol):
         *,
         scale: float,
         rank: int,
+        world_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One DCP rank's partial: its owned compressed slots, plus the SWA
-        window and the sink on rank 0 only."""
+        window on rank 0 only and the sink as the declared
+        ``Conventions.sink_scheme`` folds it (default: on rank 0 only)."""
 
     def combine(
         self,
@@ -183,7 +185,8 @@ class DcpImplementation(Protocol):
         token_chunk: int | None = None,
     ) -> torch.Tensor:
         """The whole stage-3 path: gather q and sinks, partial attention,
-        combine; rows processed in sub-chunks of at most ``token_chunk``
+        combine (then, under the ``after_merge`` sink scheme, the sink folded
+        into the merged result); rows processed in sub-chunks of at most ``token_chunk``
         tokens when given. -> [T, H_loc, D]."""
 
     # ---- stage 9: prefill via compressed-KV gather ----------------------

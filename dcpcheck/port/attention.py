@@ -86,10 +86,12 @@ def partial_attention(
     *,
     scale: float,
     rank: int,
+    world_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DCP rank's partial: its owned compressed slots, plus the window and
     the sink on rank 0 only (both are replicated; counting them on every rank
-    would count them W times)."""
+    would count them W times). ``world_size`` is part of the protocol (a
+    port that folds ``sink - ln W`` on every rank needs it); this one does not."""
     if rank != 0:
         swa_cache, swa_slots, sink = None, None, None
     return sparse_attention(q, comp_cache, comp_slots, swa_cache, swa_slots, sink, scale=scale)
@@ -132,6 +134,7 @@ def dcp_attention(
             sink,
             scale=scale,
             rank=group.rank_in_group,
+            world_size=group.world_size,
         )
         outputs.append(combine(out, lse, group, backend=backend))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
