@@ -49,6 +49,7 @@ class Dsv41Implementation:
         empty_lse=reference_kernel.EMPTY_LSE,
         local_heads=8,
         lse_bases=(2.0,),
+        sink_scheme="rank0",  # _dcp_attn_sink: the gathered sink goes to the kernel on DCP rank 0 only
     )
     max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
 
