@@ -31,6 +31,41 @@ MUTANTS = (
         ),
     ),
     combine_mutant(
+        name="SinkFoldedAgainAfterMerge",
+        description="two sink schemes mixed: rank 0's partial folds the sink, and dcp_attention folds it again "
+        "after the merge (as an after_merge port does), so the result counts exp(sink) twice",
+        patch=Patch(
+            "attention.py",
+            "        outputs.append(combine(out, lse, group, backend=backend))\n",
+            "        merged, merged_lse = combine(out, lse, group, backend=backend, return_lse=True)\n"
+            "        if sink_local is not None:\n"
+            "            share = torch.exp2(merged_lse - torch.logaddexp2(merged_lse, sink_local.float() * LOG2_E))\n"
+            "            merged = (merged.float() * share[..., None]).to(merged.dtype)\n"
+            "        outputs.append(merged)\n",
+        ),
+    ),
+    combine_mutant(
+        name="SinkMinusLogWOnEveryRank",
+        description="the partial folds sink - ln W on every rank (SGLang's scheme) while the port declares rank0: "
+        "the merge is right, every rank's partial is not the declared one",
+        patch=Patch(
+            "attention.py",
+            "    if rank != 0:\n        swa_cache, swa_slots, sink = None, None, None\n",
+            "    if sink is not None:\n        sink = sink - math.log(world_size)\n"
+            "    if rank != 0:\n        swa_cache, swa_slots = None, None\n",
+        ),
+    ),
+    combine_mutant(
+        name="SinkLeftOutOfLse",
+        description="the sink divides the output but is left out of the LSE: rank 0's partial gets too little "
+        "weight in the merge",
+        patch=Patch(
+            "attention.py",
+            "lse = torch.where(empty, EMPTY_LSE, shift + torch.log2(denominator))",
+            "lse = torch.where(empty, EMPTY_LSE, shift + torch.log2(denominator - probs[:, :, -1]))",
+        ),
+    ),
+    combine_mutant(
         name="WindowOnEveryRank",
         description="the replicated SWA window is attended on every rank, so the combine counts it W times",
         patch=Patch("attention.py", "swa_cache, swa_slots, sink = None, None, None", "sink = None"),
