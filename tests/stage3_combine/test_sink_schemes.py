@@ -19,7 +19,8 @@ import math
 import pytest
 import torch
 
-from dcpcheck.impls.conventions import conventions_of
+from dcpcheck.impls.conventions import Conventions, conventions_of
+from dcpcheck.oracle import attention as oracle
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.test_sharded_attention import check_sharded_attention
 
@@ -118,3 +119,23 @@ def test_declared_sink_scheme_passes(dcp, scheme, backend, lse_base, dtype_name,
         interleave=interleave,
         bs=bs,
     )
+
+
+def test_unknown_sink_scheme_is_refused_naming_the_accepted_ones():
+    with pytest.raises(ValueError, match="sink_scheme='every_rank'; accepted: 'rank0', 'after_merge', 'minus_log_w'"):
+        Conventions(sink_scheme="every_rank")
+
+
+def test_oracle_fold_after_the_merge_is_the_sink_folded_into_the_attention():
+    """``fold_sink`` of attention without the sink == attention with it (rows
+    with candidates, and one row with none: the sink's LSE, output 0)."""
+    gen = torch.Generator().manual_seed(0)
+    q, cache = torch.randn(3, 2, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    slots = torch.tensor([[0, 1, 2], [3, 4, -1], [-1, -1, -1]], dtype=torch.int32)
+    sink = torch.tensor([1.5, -0.5])
+    for base in (2.0, math.e):
+        bare = oracle.sparse_attention(q, cache, slots, None, None, None, scale=0.3, lse_base=base)
+        folded = oracle.fold_sink(*bare, sink, lse_base=base)
+        want = oracle.sparse_attention(q, cache, slots, None, None, sink, scale=0.3, lse_base=base)
+        for got, expected in zip(folded, want):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
