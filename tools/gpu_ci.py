@@ -3,8 +3,8 @@
 
 Runs, in order, one pytest process per step with ``--device cuda`` and
 ``--junitxml``: the harness self-tests (spawned pool: failing, stuck and
-killed ranks), stage 1, stage 3, stage 9, end to end (each stage with its
-realistic-shape GPU tests from tests/gpu), then the stage tests once more
+killed ranks), stage 1, stage 3, stage 9, end to end, the realistic-shape GPU
+tests of tests/gpu (in one process: their cases need tens of GiB), then the stage tests once more
 under ``torchrun --nproc-per-node <max(GPUs, 2)>``. World sizes above the GPU
 count share GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them
 all. Then it reads the JUnit files and prints a summary (step x stage x W x
@@ -32,14 +32,17 @@ from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
 
 REPO = Path(__file__).resolve().parents[1]
 
-# (step, test paths) in run order; tests/gpu/test_stage<N>_*.py join stage N.
+# (step, test paths) in run order, each under --workers xdist workers.
 POOL_STEPS = (
     ("harness", ("tests/selftest",)),
-    ("stage1", ("tests/stage1_index", "tests/gpu/test_stage1_*.py")),
-    ("stage3", ("tests/stage3_combine", "tests/gpu/test_stage3_*.py")),
-    ("stage9", ("tests/stage9_prefill", "tests/gpu/test_stage9_*.py")),
+    ("stage1", ("tests/stage1_index",)),
+    ("stage3", ("tests/stage3_combine",)),
+    ("stage9", ("tests/stage9_prefill",)),
     ("e2e", ("tests/e2e",)),
 )
+# The realistic-shape GPU tests run in one process: one case needs up to tens
+# of GiB, and the ranks of concurrent xdist workers would share that memory.
+SERIAL_STEPS = (("realistic", ("tests/gpu/test_*.py",)),)
 TORCHRUN_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 
@@ -174,7 +177,9 @@ def parse_args(argv=None):
     parser.add_argument("--world-sizes", default=None, help="passed to pytest (default: the plugin's, 1,2,4,8 on CUDA)")
     parser.add_argument("--dcp-timeout", type=float, default=60.0, help="seconds one multi-rank case may take")
     parser.add_argument(
-        "--steps", default=None, help="comma-separated subset of: " + ",".join(s for s, _ in POOL_STEPS) + ",torchrun"
+        "--steps",
+        default=None,
+        help="comma-separated subset of: " + ",".join(s for s, _ in POOL_STEPS + SERIAL_STEPS) + ",torchrun",
     )
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per pool step (0: none)")
     parser.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failure")
@@ -197,6 +202,7 @@ def main(argv=None) -> int:
         for name, paths in POOL_STEPS
         if expand(paths)
     ]
+    steps += [(name, pytest_args(args, expand(paths), out / f"{name}.xml")) for name, paths in SERIAL_STEPS]
     ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     steps.append(("torchrun", torchrun + pytest_args(args, expand(TORCHRUN_PATHS), out / "torchrun.xml")))

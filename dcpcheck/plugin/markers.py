@@ -75,9 +75,10 @@ def _skip_reason(item, session: DcpSession) -> str | None:
     return None
 
 
-# What a GPU may hold of the ranks' declared needs: the rest is CUDA contexts
-# (one per rank, of every pool alive) and allocator slack.
+# What a GPU may hold of the ranks' declared needs (allocator slack aside),
+# and what each rank's CUDA context takes besides (0.8 GiB measured on an H200).
 GPU_MEMORY_USABLE = 0.85
+CUDA_CONTEXT_GIB = 1.0
 
 
 def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
@@ -93,14 +94,21 @@ def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
     if memory:
         import torch
 
-        need_gib = memory.args[0] * placement.ranks_per_gpu
-        total_gib = min(torch.cuda.get_device_properties(i).total_memory for i in range(placement.gpus_used)) / 2**30
-        if need_gib > GPU_MEMORY_USABLE * total_gib:
-            return (
-                f"needs {memory.args[0]:g} GiB per rank; at W={world_size} ({placement.describe()}) a GPU would "
-                f"hold {need_gib:g} GiB, above {GPU_MEMORY_USABLE:.0%} of its {total_gib:.0f} GiB"
-            )
+        smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(placement.gpus_used))
+        return memory_skip(memory.args[0], placement, smallest / 2**30)
     return None
+
+
+def memory_skip(gib_per_rank: float, placement, gpu_gib: float) -> str | None:
+    """Why ranks needing ``gib_per_rank`` each do not fit on GPUs of ``gpu_gib``, else None."""
+    need_gib = (gib_per_rank + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu
+    if need_gib <= GPU_MEMORY_USABLE * gpu_gib:
+        return None
+    return (
+        f"needs {gib_per_rank:g} GiB per rank (+{CUDA_CONTEXT_GIB:g} GiB CUDA context); at W={placement.world_size} "
+        f"({placement.describe()}) a GPU would hold {need_gib:g} GiB, above {GPU_MEMORY_USABLE:.0%} of its "
+        f"{gpu_gib:.0f} GiB"
+    )
 
 
 def _check_world_sizes_are_supported(config, session: DcpSession, items) -> None:

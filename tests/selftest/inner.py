@@ -19,6 +19,17 @@ def inner_env(**overrides) -> dict:
     return env
 
 
+def default_placement(world_size: int) -> str:
+    """The header's device of an inner session run with the default --device
+    (auto) on this host: ``cpu/gloo``, ``cuda/nccl`` or ``cuda/gloo, 2 ranks on 1 GPU``."""
+    import torch
+
+    from dcpcheck.ranks.placement import Placement
+
+    gpus = torch.cuda.device_count()
+    return Placement("cuda" if gpus else "cpu", world_size, gpus).describe()
+
+
 def write_session(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "conftest.py").write_text(INNER_CONFTEST)
     for name, text in files.items():

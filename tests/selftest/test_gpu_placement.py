@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpcheck.plugin.markers import _placement_skip
+from dcpcheck.plugin.markers import _placement_skip, memory_skip
 from dcpcheck.plugin.session import DcpSession
 from dcpcheck.ranks.placement import Placement
 
@@ -82,3 +82,12 @@ def test_a_test_that_needs_nccl_skips_where_ranks_share_a_gpu_saying_why():
     assert "CUDA graphs cannot capture gloo collectives" in reason
     assert _placement_skip(item, _session(4), 4) is None
     assert _placement_skip(item, _session(0, device_type="cpu"), 4) is None
+
+
+def test_a_test_is_skipped_when_the_ranks_sharing_a_gpu_would_not_fit():
+    assert memory_skip(12, Placement("cuda", 8, 1), 139.8) is None  # 8 x 13 GiB on an H200
+    assert memory_skip(12, Placement("cuda", 8, 1), 80) == (
+        "needs 12 GiB per rank (+1 GiB CUDA context); at W=8 (cuda/gloo, 8 ranks on 1 GPU) a GPU would hold "
+        "104 GiB, above 85% of its 80 GiB"
+    )
+    assert memory_skip(12, Placement("cuda", 8, 8), 80) is None  # one rank per GPU

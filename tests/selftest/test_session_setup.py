@@ -224,7 +224,20 @@ def test_hung_question_and_dying_pool_fail_fast(tmp_path):
     write_session(tmp_path, {"broken.py": BROKEN_AT_FORK_IMPL, "test_broken.py": BROKEN_AT_FORK_TESTS})
     started = time.perf_counter()
     code, output = run_inner_pytest(
-        tmp_path, ["--dcp-impl", "broken.py:BrokenAtFork", "--world-sizes", "2", "-k", "W2", "--dcp-timeout", "2"]
+        tmp_path,
+        # CPU: only there does the zygote import the implementation before it forks the ranks.
+        [
+            "--device",
+            "cpu",
+            "--dcp-impl",
+            "broken.py:BrokenAtFork",
+            "--world-sizes",
+            "2",
+            "-k",
+            "W2",
+            "--dcp-timeout",
+            "2",
+        ],
     )
     assert code == 1 and "3 failed" in output, output
     assert "broken.py:BrokenAtFork.unavailable_reason(terms) did not return within 2 s" in output

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.selftest.inner import inner_env, write_session
+from tests.selftest.inner import default_placement, inner_env, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -110,7 +110,7 @@ def test_stuck_rank_fails_at_the_timeout_and_the_next_test_passes(torchrun_sessi
     _, output, outcomes, _ = torchrun_session
     outcome, message, seconds = outcomes["test_03_stuck_rank[W2]"]
     assert outcome == "failed", output
-    assert "stage=harness | W=2 | device=cpu/gloo | impl=port | mode=torchrun | seed=" in message
+    assert f"stage=harness | W=2 | device={default_placement(2)} | impl=port | mode=torchrun | seed=" in message
     assert f"ranks [0, 1] did not finish: timed out after {CASE_TIMEOUT_S} s" in message
     assert "[rank 1] Python stacks at the timeout" in message and "sleep_on_rank" in message
     assert "[rank 0] Python stacks at the timeout" in message and "all_reduce" in message
