@@ -52,6 +52,8 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "garbage_under_sentinel": "rows where every rank's partial is empty (LSE at the -1e30 sentinel) "
     "with NaN or random outputs under it",
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
+    "rounded_once": "a 16-bit combine held to one rounding of the exact merge (compare.py's out_rounded_once): "
+    "summing or rescaling in the 16-bit dtype fails it",
     "multi_token_interleave": "compressed layers whose interleave spans more than one token "
     "(S states * rho tokens per state > 1), read and written at W > 1",
     "adjacent_index_sources": "adjacent layers of one KV layout, each publishing its own top-k into the "
