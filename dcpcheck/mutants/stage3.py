@@ -144,4 +144,40 @@ MUTANTS = (
             "sink = None if sink_local is None or group.rank_in_group != 0 else gather_heads(",
         ),
     ),
+    combine_mutant(
+        name="A2aSumIn16Bit",
+        description="a2a sums the W weighted slices in the output dtype: bf16/fp16 rounding after every add, not once",
+        patch=Patch(
+            "combine.py",
+            "        acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)\n",
+            "        acc = (acc + tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)).to(merged_ptr.dtype.element_ty)\n",
+        ),
+    ),
+    combine_mutant(
+        name="AgRsSumIn16Bit",
+        description="ag_rs rescales into an out.dtype buffer: each scaled partial rounds to bf16/fp16, summed in it",
+        patch=Patch(
+            "combine.py",
+            "scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=out.device)",
+            "scaled = torch.empty(num_heads, num_tokens, head_dim, dtype=out.dtype, device=out.device)",
+        ),
+    ),
+    combine_mutant(
+        name="A2aRescaleIn16Bit",
+        description="a2a rounds each rank's rescale factor b^(lse_r - L) to the output dtype before weighting",
+        patch=Patch(
+            "combine.py",
+            "weight = _rank_weight(lse, shift, total, log2_base, empty_bound)",
+            "weight = _rank_weight(lse, shift, total, log2_base, empty_bound).to(merged_ptr.dtype.element_ty)",
+        ),
+    ),
+    combine_mutant(
+        name="AgRsRescaleIn16Bit",
+        description="ag_rs rounds the local rescale factor b^(lse_r - L) to the output dtype before weighting",
+        patch=Patch(
+            "combine.py",
+            "weight = _rank_weight(own_lse, shift, total, log2_base, empty_bound)",
+            "weight = _rank_weight(own_lse, shift, total, log2_base, empty_bound).to(out_ptr.dtype.element_ty)",
+        ),
+    ),
 )
