@@ -103,6 +103,14 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             reason="the fp32 weights use the merged LSE after it is rounded to fp32, up to 6e-6 off "
             "at |LSE| ~ 150 (docs/vllm.md, known defect 4)",
         ),
+        KnownDefect(
+            capability="combine",
+            applies=lambda terms: (
+                terms.world_size > 1 and terms.backend == "ag_rs" and "rounded_once" in terms.properties
+            ),
+            reason="cp_lse_ag_out_rs stores each rank's rescaled partial in the 16-bit output dtype and "
+            "reduce-scatters it in that dtype: 70 to 460 times one rounding's error (docs/vllm.md, known defect 5)",
+        ),
     ),
 }
 
