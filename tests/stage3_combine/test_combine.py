@@ -99,20 +99,26 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
             ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base)
         return {}
 
+    heads = own_heads(ctx, num_heads)
+    out_type = Expected("out", (NUM_TOKENS, heads.stop - heads.start, head_dim), dtype)
+    lse_type = Expected("lse", (NUM_TOKENS, heads.stop - heads.start), torch.float32)
+    where = format_context(context)
     if ctx.world_size == 1:
-        merged, merged_lse = ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True)
+        merged, merged_lse = assert_outputs(
+            "combine(return_lse=True)",
+            ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
+            [out_type, lse_type],
+            device=ctx.device,
+            context=where,
+        )
         if merged is not out or merged_lse is not lse:
             raise MismatchError(f"W=1 combine must return its inputs unchanged ({context})")
         if ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base) is not out:
             raise MismatchError(f"W=1 combine without return_lse must return out itself ({context})")
         return {}
 
-    heads = own_heads(ctx, num_heads)
     report = {"context": context, "offsets": (0, heads.start, 0)}  # global head ids in messages
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
-    out_type = Expected("out", (NUM_TOKENS, heads.stop - heads.start, head_dim), dtype)
-    lse_type = Expected("lse", (NUM_TOKENS, heads.stop - heads.start), torch.float32)
-    where = format_context(context)
     merged, merged_lse = assert_outputs(
         "combine(return_lse=True)",
         ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
@@ -138,7 +144,13 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
     other_unavailable = combine_unavailable_reason(ctx, **{**ctx.case, "backend": other})
     if other_unavailable:
         return {**stats.as_dict(), "cross_check": f"{other} vs {backend} skipped: {other_unavailable}"}
-    other_out, other_lse = ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True)
+    other_out, other_lse = assert_outputs(
+        f"combine(backend={other!r}, return_lse=True)",
+        ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True),
+        [out_type, lse_type],
+        device=ctx.device,
+        context=where,
+    )
     assert_close(other_out, merged, what=f"{other} vs {backend} output", **report)
     assert_lse_close(other_lse, merged_lse, what=f"{other} vs {backend} LSE", **report)
     return {**stats.as_dict(), "cross_check": f"{other} vs {backend}"}
@@ -183,6 +195,16 @@ def test_combine_given_views(dcp, backend, lse_base, dtype_name):
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_combine_single_rank_returns_inputs(dcp, backend):
     dcp.run(check_combine, backend=backend, lse_base="2", dtype_name="bf16", num_heads=8, head_dim=HEAD_DIM)
+
+
+@pytest.mark.world_sizes(2, 4, 8)
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_combine_one_head_per_rank(dcp, backend):
+    """H = W: every rank keeps one head (H_loc = 1) at every world size, not
+    only at W = 8 with H = 8; bf16 packs the LSE as two a2a columns."""
+    dcp.run(
+        check_combine, backend=backend, lse_base="2", dtype_name="bf16", num_heads=dcp.world_size, head_dim=HEAD_DIM
+    )
 
 
 @pytest.mark.world_sizes(2, 4, 8)
