@@ -47,4 +47,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if gpu_peaks:
         # The largest case per GPU: what a runner must have free to run this selection.
         peaks = ", ".join(f"{gpu} {peak / 2**30:.2f} GiB" for gpu, peak in sorted(gpu_peaks.items()))
-        terminalreporter.write_line(f"peak GPU memory of one case (its ranks together): {peaks}")
+        terminalreporter.write_line(f"peak GPU memory reserved by one case (its ranks together): {peaks}")

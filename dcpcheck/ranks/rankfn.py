@@ -51,7 +51,7 @@ class RankOutcome:
     value: Any = None
     seconds: float = 0.0
     gpu: str | None = None  # the rank's GPU ("cuda:0"), None on CPU
-    gpu_peak_bytes: int = 0  # the most the case had allocated on it at once
+    gpu_peak_bytes: int = 0  # the most the case's allocator held on it at once
 
 
 # At most this much of one rank's error text reaches the failure message (a
@@ -99,10 +99,11 @@ def _leak_error(rank: int, leaked: list[str]) -> str:
 
 
 def _release_gpu_memory(device: torch.device) -> tuple[str, int]:
-    """-> (the GPU, the case's peak allocation); then give the allocator's
-    cache back, so that the next case, and the pools of other world sizes
-    sharing this GPU, find it free."""
-    peak = torch.cuda.max_memory_allocated(device)
+    """-> (the GPU, the case's peak of memory reserved by the allocator, which
+    is what the GPU had to hold); then give the allocator's cache back, so that
+    the next case, and the pools of other world sizes sharing this GPU, find
+    it free."""
+    peak = torch.cuda.max_memory_reserved(device)
     gc.collect()  # tensors held only by reference cycles of the case
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
