@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Latency of the port's stage-3 combine beside the bare NCCL collectives it uses.
+"""Latency of an implementation's stage-3 combine beside the bare NCCL collectives it uses.
 
 For decode shapes (T tokens, H gathered heads, D = 512, bf16 partials, fp32
 LSE) on W GPUs, one rank per GPU, it times:
 
-* ``ag_rs``: the port's combine, backend ag_rs; ``bare ag+rs``: what it moves,
+* ``ag_rs``: the combine of ``--dcp-impl`` (default: the embedded port), backend ag_rs; ``bare ag+rs``: what it moves,
   an all-gather of the LSEs [T, H] fp32 plus a reduce-scatter of the rescaled
   partial [H, T, D] fp32 (the port reduces in fp32);
-* ``a2a``: the port's combine, backend a2a; ``bare a2a``: its all-to-all of
+* ``a2a``: that combine, backend a2a; ``bare a2a``: its all-to-all of
   [W, T, H/W, D + 2] bf16 (the LSE rides as two bf16 columns).
 
 Each is timed eager and as one CUDA-graph replay (how decode runs), with CUDA
@@ -17,6 +17,7 @@ bandwidth of a large all-gather measured first. The table is printed and
 written as CSV and markdown.
 
     python tools/bench_combine.py --nproc 2 --out bench          # spawns its ranks
+    python tools/bench_combine.py --nproc 2 --dcp-impl vllm      # another implementation's combine
     torchrun --nproc-per-node 2 tools/bench_combine.py --out bench
 """
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcpcheck.port.combine import combine
+from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.group import DcpGroup
 
 HEAD_DIM = 512
@@ -109,7 +110,7 @@ def bus_bandwidth(world: int, device) -> float:
     return BANDWIDTH_PROBE_BYTES * (world - 1) / world / seconds
 
 
-def shape_ops(group: DcpGroup, tokens: int, heads: int, dtype: torch.dtype):
+def shape_ops(combine, group: DcpGroup, tokens: int, heads: int, dtype: torch.dtype):
     """-> [(op, fn, wire bytes per rank)] for one (T, H)."""
     world, device = group.world_size, group.device
     gen = torch.Generator(device=device).manual_seed(tokens * 1000 + heads + group.rank_in_group)
@@ -143,6 +144,7 @@ def largest_over_ranks(value: float, device) -> float:
 
 
 def run_benchmark(group: DcpGroup, args) -> list[Measurement]:
+    combine = load_implementation(args.dcp_impl).combine
     device = group.device
     bandwidth = bus_bandwidth(group.world_size, device)
     if group.rank_in_group == 0:
@@ -150,7 +152,7 @@ def run_benchmark(group: DcpGroup, args) -> list[Measurement]:
     results = []
     for heads in args.heads:
         for tokens in args.tokens:
-            for op, fn, wire_bytes in shape_ops(group, tokens, heads, torch.bfloat16):
+            for op, fn, wire_bytes in shape_ops(combine, group, tokens, heads, torch.bfloat16):
                 eager = time_eager(fn, warmup=args.warmup, iters=args.iters)
                 graph = time_graph(fn, warmup=args.warmup, iters=args.iters)
                 results.append(Measurement(
@@ -214,6 +216,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--nproc", type=int, default=None, help="ranks to spawn (default: every GPU); ignored under torchrun"
     )
+    parser.add_argument("--dcp-impl", default="port", help="port | vllm | dsv41 | pkg.module:attr (its combine)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 128], help="gathered heads H")
     parser.add_argument("--warmup", type=int, default=20)
