@@ -63,7 +63,14 @@ class SpawnedRanks:
         self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
     ) -> CaseResult:
         pool = self._live_pool(world_size, impl_spec)
-        result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+        try:
+            result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+        except BaseException:
+            # Ctrl-C (or any error) mid-case: the ranks are still in it, so an
+            # orderly stop would wait for them. Kill the pool now.
+            pool.kill()
+            del self.pools[world_size]
+            raise
         if result.stuck or result.dead:
             pool.kill()
             del self.pools[world_size]

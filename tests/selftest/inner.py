@@ -37,7 +37,9 @@ def write_session(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-def start_inner_pytest(tmp_path: Path, args: list[str], **env) -> subprocess.Popen:
+def start_inner_pytest(tmp_path: Path, args: list[str], *, own_group: bool = False, **env) -> subprocess.Popen:
+    """``own_group``: in a process group of its own, as a shell's foreground
+    job is, so that ``os.killpg`` signals it as a terminal's Ctrl-C would."""
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
         cwd=tmp_path,
@@ -45,6 +47,7 @@ def start_inner_pytest(tmp_path: Path, args: list[str], **env) -> subprocess.Pop
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        process_group=0 if own_group else None,
     )
 
 

@@ -76,6 +76,45 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held(tmp_path, sig):
     assert _wait_until(lambda: not pool_dir.exists(), 10), f"{pool_dir} is left"
 
 
+def _start_spinning_session(tmp_path, args: list[str]):
+    """An inner session whose one W = 2 case spins with the GIL held (its
+    timeout far away) -> (the process, the rank pids, the pool's directory)."""
+    marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
+    write_session(tmp_path, {"test_spin.py": GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file)})
+    proc = start_inner_pytest(
+        tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120", *args], own_group=True
+    )
+    markers = [Path(f"{marker}.{rank}") for rank in range(2)]
+    assert _wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
+    ranks = [int(m.read_text()) for m in markers]
+    return proc, ranks, _pool_dir(ranks[0])
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
+def test_ctrl_c_during_a_stuck_case_ends_the_session_at_once_and_leaves_nothing(tmp_path, xdist):
+    proc, ranks, pool_dir = _start_spinning_session(tmp_path, ["-n", "1"] if xdist else [])
+    interrupted = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    output, _ = proc.communicate(timeout=60)
+    seconds = time.monotonic() - interrupted
+    assert seconds < CTRL_C_RETURN_S, f"pytest took {seconds:.1f} s to return after Ctrl-C:\n{output}"
+    assert _wait_until(lambda: not any(map(_alive, ranks)), 5), [p for p in ranks if _alive(p)]
+    assert _wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
+
+
+def test_sigterm_of_the_xdist_controller_ends_its_workers_ranks(tmp_path):
+    proc, ranks, pool_dir = _start_spinning_session(tmp_path, ["-n", "1"])
+    os.kill(proc.pid, signal.SIGTERM)  # the controller only, as a CI timeout may send it
+    proc.communicate(timeout=30)
+    assert _wait_until(lambda: not any(map(_alive, ranks)), 10), [p for p in ranks if _alive(p)]
+    assert _wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
+
+
+# Ctrl-C during a case must not wait for the stuck ranks (the case timeout) nor
+# for their orderly stop: the pool is killed at once.
+CTRL_C_RETURN_S = 5.0
+
+
 def _pool_dir(rank_pid: int) -> Path:
     """The pool's temporary directory: where the rank's stack file is open."""
     for fd in Path(f"/proc/{rank_pid}/fd").iterdir():
