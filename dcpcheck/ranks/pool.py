@@ -277,12 +277,24 @@ class RankPool:
             self._collect_exits()
             for rank in sorted(pending & set(self.exit_codes)):
                 pending.discard(rank)
+                outcome = self._last_report(rank)
+                if outcome is not None:  # it reported, then exited: the case has its result
+                    result.outcomes[rank] = outcome
+                    continue
                 result.dead[rank] = self._death(rank)
                 first_failure = first_failure or time.perf_counter()
         if pending:
             result.stuck = self.dump_stacks(sorted(pending))
         result.seconds = time.perf_counter() - started
         return result
+
+    def _last_report(self, rank: int):
+        """What an exited rank sent before it exited and nobody has read yet, else None."""
+        conn = self.conns[rank]
+        try:
+            return conn.recv() if conn.poll(0) else None
+        except (EOFError, OSError):
+            return None
 
     def _death(self, rank: int) -> str:
         deadline = time.perf_counter() + EXIT_REPORT_WAIT_S

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def spin_holding_the_gil(ctx, *, marker: str) -> None:
     this process (an orphan guard, a signal handler) runs again."""
     Path(f"{marker}.{ctx.rank}").write_text(str(os.getpid()))
     sum(range(10**15))
+
+
+def report_then_exit(ctx, *, bad_rank: int) -> int:
+    """``bad_rank`` returns at once and its process exits 0.2 s after it
+    reported; the others are still in the case when it is gone."""
+    if ctx.rank == bad_rank:
+        threading.Timer(0.2, os._exit, args=(0,)).start()
+    else:
+        time.sleep(1.0)
+    return ctx.rank
 
 
 def stop_myself(ctx, *, bad_rank: int) -> None:

@@ -8,7 +8,13 @@ import time
 import pytest
 import torch
 
-from tests.selftest.hostile import change_global_state, global_state_seen, raise_monsters, stop_myself
+from tests.selftest.hostile import (
+    change_global_state,
+    global_state_seen,
+    raise_monsters,
+    report_then_exit,
+    stop_myself,
+)
 from tests.selftest.rank_functions import (
     group_collectives_match_torch,
     kill_rank,
@@ -120,3 +126,10 @@ def test_stopped_rank_is_reported_as_stopped(dcp):
     assert "is stopped (SIGSTOP or SIGTSTP)" in message
     assert seconds < SHORT_TIMEOUT_S + REPORT_SLACK_S
     assert dcp.run(sum_of_ranks)
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_a_rank_that_exits_after_reporting_keeps_its_result_and_the_next_case_runs(dcp):
+    assert dcp.run(report_then_exit, bad_rank=1) == [0, 1]
+    assert dcp.run(sum_of_ranks)  # on a fresh pool: rank 1 is gone
