@@ -110,6 +110,27 @@ def test_sigterm_of_the_xdist_controller_ends_its_workers_ranks(tmp_path):
     assert _wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
 
 
+POOL_DIES_BETWEEN_CASES_TESTS = """
+from tests.selftest.hostile import report_then_exit
+from tests.selftest.rank_functions import sum_of_ranks
+
+def test_a_rank_exits_after_its_case(dcp):
+    dcp.run(report_then_exit, bad_rank=1)
+
+def test_the_next_case_gets_a_fresh_pool(dcp):
+    dcp.run(sum_of_ranks)
+"""
+
+
+def test_a_session_whose_pool_died_between_cases_leaves_no_temporary_directory(tmp_path):
+    write_session(tmp_path, {"test_pool_dies.py": POOL_DIES_BETWEEN_CASES_TESTS})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2"], TMPDIR=str(scratch))
+    assert code == 0 and "2 passed" in output, output
+    assert not list(scratch.glob("dcpcheck-pool-*")), list(scratch.iterdir())
+
+
 # Ctrl-C during a case must not wait for the stuck ranks (the case timeout) nor
 # for their orderly stop: the pool is killed at once.
 CTRL_C_RETURN_S = 5.0
