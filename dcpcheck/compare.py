@@ -7,7 +7,7 @@ names what differs, the worst error and where (token, head, dim / slot).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,25 @@ def fail_if_problems(case: str, what: str, problems: list[str], total: int | Non
     if total > MAX_REPORTED:
         lines.append(f"  ... and {total - MAX_REPORTED} more")
     raise MismatchError("\n".join(lines))
+
+
+def run_every_check(checks: Sequence[tuple[str, Callable[[], object]]]) -> None:
+    """Run every ``(name, check)``; raise one :class:`MismatchError` listing
+    all their mismatches. A check that raises anything else after a mismatch
+    was found does not hide it: both are reported (the error chained)."""
+    problems = []
+    for name, check in checks:
+        try:
+            check()
+        except MismatchError as exc:
+            problems.append(str(exc))
+        except Exception as exc:
+            if not problems:
+                raise
+            raised = f"then {name} raised {type(exc).__name__}: {exc}"
+            raise MismatchError("\n".join([*problems, raised])) from exc
+    if problems:
+        raise MismatchError("\n".join(problems))
 
 
 def assert_compact_prefix(slots, counts, rows: TokenRows, *, what: str) -> None:

@@ -180,4 +180,18 @@ MUTANTS = (
             "weight = _rank_weight(own_lse, shift, total, log2_base, empty_bound).to(out_ptr.dtype.element_ty)",
         ),
     ),
+    combine_mutant(
+        name="CacheOffsetInt32",
+        description="attention gathers its candidate rows by element offset slot * D computed in int32: past "
+        "2^31 elements (a 4 GiB bf16 cache of 512-wide rows) the offset wraps and another row is read",
+        patch=Patch(
+            "attention.py",
+            "        rows = cache[slots.clamp(min=0)].float().masked_fill(missing[:, :, None], 0.0)\n",
+            "        width = cache.shape[-1]\n"
+            "        offsets = slots.clamp(min=0).int() * width\n"
+            "        columns = torch.arange(width, dtype=torch.int32, device=cache.device)\n"
+            "        flat = cache.reshape(-1)[(offsets[..., None] + columns).long()]\n"
+            "        rows = flat.float().masked_fill(missing[:, :, None], 0.0)\n",
+        ),
+    ),
 )

@@ -50,6 +50,16 @@ def _gather_candidates(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.
     return rows.masked_fill(~valid[:, :, None], 0.0), valid
 
 
+def compact_candidates(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (only the rows of ``cache`` that ``slots`` reads, on CPU; ``slots``
+    renumbered into them, -1 kept). :func:`sparse_attention` upcasts its whole
+    cache to float64: hand it these when the cache is large."""
+    slots = slots.long()
+    used, renumbered = torch.unique(slots.clamp(min=0).cpu(), return_inverse=True)
+    rows = cache[used.to(cache.device)].cpu()
+    return rows, torch.where(slots.cpu() >= 0, renumbered, -1)
+
+
 def sparse_attention(
     q: torch.Tensor,
     comp_cache: torch.Tensor,

@@ -39,18 +39,10 @@ def spot_rows(batch: StepBatch, stride: int) -> torch.Tensor:
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
-def _compacted(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the cache rows ``slots`` reads, and ``slots`` renumbered into them:
-    the oracle upcasts its whole cache to float64, so hand it just these."""
-    slots = slots.long().cpu()
-    used, renumbered = torch.unique(slots.clamp(min=0), return_inverse=True)
-    return cache.cpu()[used], torch.where(slots >= 0, renumbered, -1)
-
-
 def oracle_spot_check(q, comp_cache, comp_slots, swa_cache, swa_slots, sink, *, scale: float, rows: torch.Tensor):
     """Float64 DCP1 attention of ``rows`` only -> (out [len(rows), H, D], lse)."""
-    comp = _compacted(comp_cache, comp_slots[rows])
-    swa = _compacted(swa_cache, swa_slots[rows])
+    comp = oracle.compact_candidates(comp_cache, comp_slots[rows])
+    swa = oracle.compact_candidates(swa_cache, swa_slots[rows])
     return oracle.sparse_attention(q[rows], *comp, *swa, sink, scale=scale)
 
 

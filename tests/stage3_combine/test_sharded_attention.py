@@ -167,7 +167,12 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     check(end_out, dcp1_out[:, heads], f"{ending} output vs float64 DCP1 oracle")
     check(end_lse, dcp1_lse[:, heads], f"{ending} LSE vs float64 DCP1 oracle", lse=True)
     other = "a2a" if backend == "ag_rs" else "ag_rs"
-    other_out, other_lse = impl.combine(out, partial_lse, ctx.group, backend=other, lse_base=base, return_lse=True)
+    other_out, other_lse = outputs(
+        "combine",
+        impl.combine(out, partial_lse, ctx.group, backend=other, lse_base=base, return_lse=True),
+        local_type,
+        Expected("lse", (num_tokens, heads_local), torch.float32),
+    )
     check(other_out, merged, f"{other} vs {backend} output")
     check(other_lse, merged_lse, f"{other} vs {backend} LSE", lse=True)
 

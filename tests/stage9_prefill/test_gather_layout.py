@@ -11,12 +11,21 @@ oracle's slot of every state of every request, exactly that state.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from dcpcheck.checks.prefill import prefill_step
 from dcpcheck.checks.stage1 import column_slice
-from dcpcheck.compare import Expected, MismatchError, assert_equal_ints, assert_outputs, fail_if_problems
+from dcpcheck.compare import (
+    Expected,
+    MismatchError,
+    assert_equal_ints,
+    assert_outputs,
+    fail_if_problems,
+    run_every_check,
+)
 from dcpcheck.oracle.prefill import gather_geometry, gathered_slot, remap_reference
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS
 from dcpcheck.stages import STAGE_PREFILL
@@ -133,14 +142,12 @@ def check_gather_layout(ctx, *, rho, S, bs, K, views=False):
     step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, views=views)
     expected = gather_geometry(step.batch.seq_lens, rho=rho, bs=bs, W=ctx.world_size)
     geometry = ctx.impl.prefill_geometry(step.batch.seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=ctx.world_size)
-    problems = []
-    for check in (check_geometry, check_remap, check_buffer):
-        try:
-            check(ctx, step, geometry, expected)
-        except MismatchError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise MismatchError("\n".join(problems))
+    run_every_check(
+        [
+            (check.__name__, partial(check, ctx, step, geometry, expected))
+            for check in (check_geometry, check_remap, check_buffer)
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,29 +171,39 @@ def check_geometry_at_page_edges(ctx):
     token and with rho - 1 tokens toward the next state. Fixed lengths: an
     off-by-one at an exact multiple fails at every seed, not at the seeds
     whose random lengths happen to land on one."""
-    problems = []
-    for world_size in (1, 2, 4, 8):
-        for rho, bs in ((4, 2), (128, 4)):
-            edge = bs * world_size
-            states = sorted({max(k * edge + d, 0) for k in (0, 1, 2) for d in (-1, 0, 1)})
-            seq_lens = torch.tensor([s * rho + extra for s in states for extra in (0, rho - 1)])
-            geometry = ctx.impl.prefill_geometry(seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=world_size)
-            expected = gather_geometry(seq_lens, rho=rho, bs=bs, W=world_size)
-            names = [f"request of {length} tokens ({length // rho} states)" for length in seq_lens.tolist()]
-            case = f"stage=9 prefill_geometry W={world_size} rho={rho} bs={bs} (virtual block of {edge} states)"
-            for field in ("pages", "bases"):
-                try:
-                    assert_equal_ints(
+
+    def check_edges(world_size: int, rho: int, bs: int) -> None:
+        edge = bs * world_size
+        states = sorted({max(k * edge + d, 0) for k in (0, 1, 2) for d in (-1, 0, 1)})
+        seq_lens = torch.tensor([s * rho + extra for s in states for extra in (0, rho - 1)])
+        geometry = ctx.impl.prefill_geometry(seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=world_size)
+        expected = gather_geometry(seq_lens, rho=rho, bs=bs, W=world_size)
+        names = [f"request of {length} tokens ({length // rho} states)" for length in seq_lens.tolist()]
+        case = f"stage=9 prefill_geometry W={world_size} rho={rho} bs={bs} (virtual block of {edge} states)"
+        run_every_check(
+            [
+                (
+                    field,
+                    partial(
+                        assert_equal_ints,
                         getattr(geometry, field).cpu(),
                         getattr(expected, field),
                         case=case,
                         what=f"{field} at the virtual-block edges vs the oracle",
                         name_index=names.__getitem__,
-                    )
-                except MismatchError as exc:
-                    problems.append(str(exc))
-    if problems:
-        raise MismatchError("\n".join(problems))
+                    ),
+                )
+                for field in ("pages", "bases")
+            ]
+        )
+
+    run_every_check(
+        [
+            (f"prefill_geometry at W={world_size} rho={rho} bs={bs}", partial(check_edges, world_size, rho, bs))
+            for world_size in (1, 2, 4, 8)
+            for rho, bs in ((4, 2), (128, 4))
+        ]
+    )
 
 
 @pytest.mark.world_sizes(1)  # the geometry is a per-step formula: one rank asks it for every W
