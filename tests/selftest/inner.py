@@ -4,6 +4,7 @@ itself (usage errors, skips, what a session leaves behind)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,9 @@ def write_session(tmp_path: Path, files: dict[str, str]) -> Path:
 
 def start_inner_pytest(tmp_path: Path, args: list[str], *, own_group: bool = False, **env) -> subprocess.Popen:
     """``own_group``: in a process group of its own, as a shell's foreground
-    job is, so that ``os.killpg`` signals it as a terminal's Ctrl-C would."""
+    job is, so that ``os.killpg`` signals it as a terminal's Ctrl-C would; and
+    with SIGINT's default action, which a shell's foreground job has (a
+    background job, as CI may run this suite, inherits SIGINT ignored)."""
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
         cwd=tmp_path,
@@ -48,7 +51,12 @@ def start_inner_pytest(tmp_path: Path, args: list[str], *, own_group: bool = Fal
         stderr=subprocess.STDOUT,
         text=True,
         process_group=0 if own_group else None,
+        preexec_fn=_default_sigint if own_group else None,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
