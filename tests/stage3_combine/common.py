@@ -1,11 +1,13 @@
 """What the stage-3 tests share: failure context, what the implementation says
-it cannot run, and inputs as strided views the way engines hand them over."""
+it cannot run, a combine of this rank's partials with its outputs' types
+checked, and inputs as strided views the way engines hand them over."""
 
 from __future__ import annotations
 
 import torch
 
 from dcpcheck.checks.cases import case_terms
+from dcpcheck.compare import Expected, assert_outputs, format_context
 from dcpcheck.stages import STAGE_COMBINE
 
 
@@ -22,6 +24,25 @@ def combine_unavailable_reason(ctx, **case) -> str | None:
     if ask is None:
         return None
     return ask(case_terms(device=ctx.device.type, world_size=ctx.world_size, capabilities=("combine",), case=case))
+
+
+def combine_with_lse(ctx, out, lse, *, backend, lse_base, context: dict, capability="combine(return_lse=True)"):
+    """This rank's partials (``out`` [T, H, D], ``lse`` [T, H] on its device)
+    combined with ``return_lse=True`` -> (out [T, H_loc, D] in ``out``'s dtype,
+    lse [T, H_loc] fp32), each checked for shape, dtype and device;
+    ``capability`` is what a failure calls the call."""
+    num_tokens, num_heads, head_dim = out.shape
+    heads_local = num_heads // ctx.world_size
+    return assert_outputs(
+        capability,
+        ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=lse_base, return_lse=True),
+        [
+            Expected("out", (num_tokens, heads_local, head_dim), out.dtype),
+            Expected("lse", (num_tokens, heads_local), torch.float32),
+        ],
+        device=ctx.device,
+        context=format_context(context),
+    )
 
 
 def transposed_view(lse: torch.Tensor, device) -> torch.Tensor:

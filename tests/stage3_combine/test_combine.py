@@ -18,7 +18,13 @@ from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
 from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import combine_unavailable_reason, failure_context, padded_view, transposed_view
+from tests.stage3_combine.common import (
+    combine_unavailable_reason,
+    combine_with_lse,
+    failure_context,
+    padded_view,
+    transposed_view,
+)
 
 # Every case combines synthetic_partials, whose rows 5 and 6 hold LSEs near 150.
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("lse_near_150")]
@@ -100,17 +106,8 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
         return {}
 
     heads = own_heads(ctx, num_heads)
-    out_type = Expected("out", (NUM_TOKENS, heads.stop - heads.start, head_dim), dtype)
-    lse_type = Expected("lse", (NUM_TOKENS, heads.stop - heads.start), torch.float32)
-    where = format_context(context)
     if ctx.world_size == 1:
-        merged, merged_lse = assert_outputs(
-            "combine(return_lse=True)",
-            ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
-            [out_type, lse_type],
-            device=ctx.device,
-            context=where,
-        )
+        merged, merged_lse = combine_with_lse(ctx, out, lse, backend=backend, lse_base=base, context=context)
         if merged is not out or merged_lse is not lse:
             raise MismatchError(f"W=1 combine must return its inputs unchanged ({context})")
         if ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base) is not out:
@@ -119,22 +116,16 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
 
     report = {"context": context, "offsets": (0, heads.start, 0)}  # global head ids in messages
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
-    merged, merged_lse = assert_outputs(
-        "combine(return_lse=True)",
-        ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base, return_lse=True),
-        [out_type, lse_type],
-        device=ctx.device,
-        context=where,
-    )
+    merged, merged_lse = combine_with_lse(ctx, out, lse, backend=backend, lse_base=base, context=context)
     stats = assert_close(merged, want_out[:, heads], what="combined output vs oracle merge", **report)
     assert_lse_close(merged_lse, want_lse[:, heads], what="combined LSE vs oracle merge", **report)
 
     only_out = assert_outputs(
         "combine(return_lse=False)",
         ctx.impl.combine(out, lse, ctx.group, backend=backend, lse_base=base),
-        [out_type],
+        [Expected("out", (NUM_TOKENS, heads.stop - heads.start, head_dim), dtype)],
         device=ctx.device,
-        context=where,
+        context=format_context(context),
     )
     assert_close(only_out, merged, what="combine(return_lse=False) vs return_lse=True", **report)
 
@@ -144,12 +135,14 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
     other_unavailable = combine_unavailable_reason(ctx, **{**ctx.case, "backend": other})
     if other_unavailable:
         return {**stats.as_dict(), "cross_check": f"{other} vs {backend} skipped: {other_unavailable}"}
-    other_out, other_lse = assert_outputs(
-        f"combine(backend={other!r}, return_lse=True)",
-        ctx.impl.combine(out, lse, ctx.group, backend=other, lse_base=base, return_lse=True),
-        [out_type, lse_type],
-        device=ctx.device,
-        context=where,
+    other_out, other_lse = combine_with_lse(
+        ctx,
+        out,
+        lse,
+        backend=other,
+        lse_base=base,
+        context=context,
+        capability=f"combine(backend={other!r}, return_lse=True)",
     )
     assert_close(other_out, merged, what=f"{other} vs {backend} output", **report)
     assert_lse_close(other_lse, merged_lse, what=f"{other} vs {backend} LSE", **report)

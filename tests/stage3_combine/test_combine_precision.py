@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
-from dcpcheck.compare import Expected, assert_close, assert_lse_close, assert_outputs, format_context
+from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import failure_context
+from tests.stage3_combine.common import combine_with_lse, failure_context
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("rounded_once")]
 
@@ -45,23 +45,13 @@ def check_rounds_once(ctx, *, backend, lse_base, dtype_name):
     context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=NUM_HEADS, D=HEAD_DIM)
     outs, lses = precision_partials(ctx.generator(), ctx.world_size, dtype)
     heads = own_heads(ctx, NUM_HEADS)
-    local_heads = heads.stop - heads.start
-    merged, merged_lse = assert_outputs(
-        "combine(return_lse=True)",
-        ctx.impl.combine(
-            outs[ctx.rank].to(ctx.device),
-            lses[ctx.rank].to(ctx.device),
-            ctx.group,
-            backend=backend,
-            lse_base=base,
-            return_lse=True,
-        ),
-        [
-            Expected("out", (NUM_TOKENS, local_heads, HEAD_DIM), dtype),
-            Expected("lse", (NUM_TOKENS, local_heads), torch.float32),
-        ],
-        device=ctx.device,
-        context=format_context(context),
+    merged, merged_lse = combine_with_lse(
+        ctx,
+        outs[ctx.rank].to(ctx.device),
+        lses[ctx.rank].to(ctx.device),
+        backend=backend,
+        lse_base=base,
+        context=context,
     )
     want_out, want_lse = merge_partials(outs[:, :, heads], lses[:, :, heads], lse_base=base)
     report = {"context": context, "offsets": (0, heads.start, 0)}

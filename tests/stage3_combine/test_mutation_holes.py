@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
-from dcpcheck.compare import Expected, assert_close, assert_lse_close, assert_outputs, format_context
+from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import failure_context
-from tests.stage3_combine.test_combine import EMPTY_FORMS, HEAD_DIM, NUM_TOKENS, synthetic_partials
+from tests.stage3_combine.common import combine_with_lse, failure_context
+from tests.stage3_combine.test_combine import EMPTY_FORMS, HEAD_DIM, synthetic_partials
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
@@ -52,23 +52,13 @@ def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_di
 
     heads = own_heads(ctx, NUM_HEADS)
     report = {"context": context, "offsets": (0, heads.start, 0)}
-    heads_local = heads.stop - heads.start
-    merged, merged_lse = assert_outputs(
-        "combine(return_lse=True)",
-        ctx.impl.combine(
-            outs[ctx.rank].to(ctx.device),
-            lses[ctx.rank].to(ctx.device),
-            ctx.group,
-            backend=backend,
-            lse_base=base,
-            return_lse=True,
-        ),
-        [
-            Expected("out", (NUM_TOKENS, heads_local, head_dim), outs.dtype),
-            Expected("lse", (NUM_TOKENS, heads_local), torch.float32),
-        ],
-        device=ctx.device,
-        context=format_context(context),
+    merged, merged_lse = combine_with_lse(
+        ctx,
+        outs[ctx.rank].to(ctx.device),
+        lses[ctx.rank].to(ctx.device),
+        backend=backend,
+        lse_base=base,
+        context=context,
     )
     want_out, want_lse = merge_partials(outs, lses, lse_base=base)
     what = "garbage under the sentinel, vs oracle merge"
