@@ -4,6 +4,7 @@ environment, and the launcher of ranks it owns until session end."""
 from __future__ import annotations
 
 import os
+import signal
 import zlib
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from dcpcheck.plugin.options import (
 )
 from dcpcheck.ranks.launcher import Launcher
 from dcpcheck.ranks.placement import Placement
+from dcpcheck.ranks.reaper import die_with_parent
 from dcpcheck.stages import StageValueError, reached_stage
 
 
@@ -132,6 +134,12 @@ def pytest_configure(config):
         gpu_sharing=config.getoption("gpu_sharing") == "on",
     )
     config.stash[SESSION] = session
+
+    if hasattr(config, "workerinput"):
+        # An xdist worker whose controller died (a CI timeout's SIGTERM) would
+        # wait 5 s or more for execnet to give up: the kernel ends it at once,
+        # and its pools with it.
+        die_with_parent(signal.SIGTERM, os.getppid())
 
     from dcpcheck.ranks.torchrun import launched_by_torchrun, launcher_rank, launcher_world_size
 

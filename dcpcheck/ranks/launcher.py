@@ -10,7 +10,7 @@ from typing import Protocol
 
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
-PEER_GRACE_S = 3.0
+PEER_GRACE_S = 1.5
 # A rank's collectives time out this long after the case timeout, so that a
 # stuck case is ended by the launcher (which reads every stuck rank's stack),
 # not by a rank's collective raising first.

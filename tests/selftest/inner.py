@@ -3,6 +3,7 @@ itself (usage errors, skips, what a session leaves behind)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,3 +69,22 @@ def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **en
         output, _ = proc.communicate()
         raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}") from None
     return proc.returncode, output
+
+
+def run_sessions_in_one_interpreter(
+    tmp_path: Path, cases: dict[str, tuple[list[str], dict[str, str]]], timeout: float = 240
+) -> dict[str, tuple[int, str]]:
+    """name -> (exit code, output) of one inner session per case (its pytest
+    arguments, its environment), all run in one interpreter from ``tmp_path``
+    (written with :func:`write_session`). For sessions whose checks need no
+    process of their own: each costs a collection, not an interpreter start."""
+    (tmp_path / "cases.json").write_text(json.dumps([{"args": args, "env": env} for args, env in cases.values()]))
+    env = inner_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])  # implementations by module name
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.selftest.session_probe", "cases.json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(proc.stdout)
+    return {name: (result["code"], result["output"]) for name, result in zip(cases, results)}

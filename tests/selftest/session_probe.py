@@ -1,8 +1,9 @@
-"""Many inner pytest sessions in one interpreter, for the usage-error checks:
-``python -m tests.selftest.usage_probe CASES.json`` runs ``pytest.main`` (what
-the ``pytest`` command runs) once per case, with the case's environment, and
+"""Many inner pytest sessions in one interpreter: ``python -m
+tests.selftest.session_probe CASES.json`` runs ``pytest.main`` (what the
+``pytest`` command runs) once per case, with the case's environment, and
 prints every run's exit code and output as JSON. One interpreter start
-instead of one per bad input."""
+instead of one per session, for the sessions that need no process of their
+own (usage errors, skips, gating)."""
 
 from __future__ import annotations
 

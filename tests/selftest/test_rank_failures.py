@@ -23,7 +23,7 @@ from tests.selftest.rank_functions import (
     sum_of_ranks,
 )
 
-SHORT_TIMEOUT_S = 4.0
+SHORT_TIMEOUT_S = 2.0
 # Stacks, killing and reporting on top of the timeout itself.
 REPORT_SLACK_S = 6.0
 

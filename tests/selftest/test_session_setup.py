@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.selftest.inner import run_inner_pytest, start_inner_pytest, write_session
+from tests.selftest.inner import run_inner_pytest, run_sessions_in_one_interpreter, start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -27,64 +27,6 @@ def test_stage_three():
 def test_needs_missing_capability():
     pass
 """
-
-
-@pytest.mark.parametrize("raw", ["abc", "-1", "2.5", "three"])
-def test_bad_stage_value_is_a_usage_error(tmp_path, raw):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE=raw)
-    assert code == 4, output
-    assert f"DSV41_DCP_STAGE={raw!r} is not a stage" in output
-    assert "non-negative integer" in output and "unset" in output
-
-
-def test_unknown_impl_is_a_usage_error_listing_the_choices(tmp_path):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "nonsense"])
-    assert code == 4, output
-    assert "--dcp-impl 'nonsense' is not recognised" in output
-    assert "'port'" in output and "'vllm'" in output and "pkg.module:attr" in output
-
-
-def test_missing_user_module_is_a_usage_error(tmp_path):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "no_such_pkg.mod:impl"])
-    assert code == 4, output
-    assert "cannot import module 'no_such_pkg.mod'" in output
-
-
-def test_bad_world_sizes_is_a_usage_error(tmp_path):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "2,x"])
-    assert code == 4, output
-    assert "--world-sizes '2,x'" in output
-
-
-def test_stage_gate_skips_later_stages_naming_the_variable(tmp_path):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE="1")
-    assert code == 0, output
-    assert "1 passed, 2 skipped" in output
-    assert "DSV41_DCP_STAGE=1: stage 3 (partial attention + LSE combine) is not reached yet" in output
-    assert "implementation 'port' lacks capability no_such_capability" in output
-
-
-def test_unset_stage_runs_every_stage(tmp_path):
-    write_session(tmp_path, {"test_staged.py": STAGED_TESTS})
-    code, output = run_inner_pytest(tmp_path, [], DSV41_DCP_STAGE="")
-    assert code == 0, output
-    assert "2 passed, 1 skipped" in output
-
-
-def test_user_implementation_from_a_file_lacking_capabilities_skips(tmp_path):
-    impl = (
-        "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
-    )
-    tests = '@__import__("pytest").mark.needs("combine")\ndef test_combine():\n    pass\n'
-    write_session(tmp_path, {"my_impl.py": impl, "test_mine.py": tests})
-    code, output = run_inner_pytest(tmp_path, ["--dcp-impl", "my_impl.py:Partial"])
-    assert code == 0, output
-    assert "implementation 'my_impl.py:Partial' lacks capability combine" in output
 
 
 def _pool_processes(parent_pid: int) -> list[str]:
@@ -164,11 +106,94 @@ def test_available_case(dcp):
 """
 
 
-def test_known_defects_are_expected_failures_that_still_run(tmp_path):
-    write_session(tmp_path, {"defective.py": KNOWN_DEFECT_IMPL, "test_defect.py": KNOWN_DEFECT_TESTS})
-    code, output = run_inner_pytest(
-        tmp_path, ["--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "-rsxX"]
-    )
+USER_IMPL_LACKING_CAPABILITIES = (
+    "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
+)
+NEEDS_COMBINE_TESTS = '@__import__("pytest").mark.needs("combine")\ndef test_combine():\n    pass\n'
+SCENARIO_TYPO_TESTS = 'import pytest\n\n@pytest.mark.scenario("short_tables")\ndef test_x(dcp):\n    pass\n'
+BAD_STAGE_VALUES = ["abc", "-1", "2.5", "three"]
+
+# name -> (pytest arguments, environment) of the sessions that need no process of their own.
+SESSIONS = {
+    **{f"stage {raw}": (["test_staged.py"], {"DSV41_DCP_STAGE": raw}) for raw in BAD_STAGE_VALUES},
+    "unknown impl": (["--dcp-impl", "nonsense", "test_staged.py"], {}),
+    "missing user module": (["--dcp-impl", "no_such_pkg.mod:impl", "test_staged.py"], {}),
+    "bad world sizes": (["--world-sizes", "2,x", "test_staged.py"], {}),
+    "stage 1": (["-rs", "test_staged.py"], {"DSV41_DCP_STAGE": "1"}),
+    "stage empty": (["test_staged.py"], {"DSV41_DCP_STAGE": ""}),
+    "user impl lacking capabilities": (["-rs", "--dcp-impl", "my_impl.py:Partial", "test_mine.py"], {}),
+    "known defects": (
+        ["-rsxX", "--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "test_defect.py"],
+        {},
+    ),
+    "scenario typo": (["test_typo.py"], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("sessions")
+    files = {
+        "test_staged.py": STAGED_TESTS,
+        "my_impl.py": USER_IMPL_LACKING_CAPABILITIES,
+        "test_mine.py": NEEDS_COMBINE_TESTS,
+        "defective.py": KNOWN_DEFECT_IMPL,
+        "test_defect.py": KNOWN_DEFECT_TESTS,
+        "test_typo.py": SCENARIO_TYPO_TESTS,
+    }
+    write_session(tmp_path, files)
+    return run_sessions_in_one_interpreter(tmp_path, SESSIONS)
+
+
+@pytest.mark.parametrize("raw", BAD_STAGE_VALUES)
+def test_bad_stage_value_is_a_usage_error(sessions, raw):
+    code, output = sessions[f"stage {raw}"]
+    assert code == 4, output
+    assert f"DSV41_DCP_STAGE={raw!r} is not a stage" in output
+    assert "non-negative integer" in output and "unset" in output
+
+
+def test_unknown_impl_is_a_usage_error_listing_the_choices(sessions):
+    code, output = sessions["unknown impl"]
+    assert code == 4, output
+    assert "--dcp-impl 'nonsense' is not recognised" in output
+    assert "'port'" in output and "'vllm'" in output and "pkg.module:attr" in output
+
+
+def test_missing_user_module_is_a_usage_error(sessions):
+    code, output = sessions["missing user module"]
+    assert code == 4, output
+    assert "cannot import module 'no_such_pkg.mod'" in output
+
+
+def test_bad_world_sizes_is_a_usage_error(sessions):
+    code, output = sessions["bad world sizes"]
+    assert code == 4, output
+    assert "--world-sizes '2,x'" in output
+
+
+def test_stage_gate_skips_later_stages_naming_the_variable(sessions):
+    code, output = sessions["stage 1"]
+    assert code == 0, output
+    assert "1 passed, 2 skipped" in output
+    assert "DSV41_DCP_STAGE=1: stage 3 (partial attention + LSE combine) is not reached yet" in output
+    assert "implementation 'port' lacks capability no_such_capability" in output
+
+
+def test_unset_stage_runs_every_stage(sessions):
+    code, output = sessions["stage empty"]
+    assert code == 0, output
+    assert "2 passed, 1 skipped" in output
+
+
+def test_user_implementation_from_a_file_lacking_capabilities_skips(sessions):
+    code, output = sessions["user impl lacking capabilities"]
+    assert code == 0, output
+    assert "implementation 'my_impl.py:Partial' lacks capability combine" in output
+
+
+def test_known_defects_are_expected_failures_that_still_run(sessions):
+    code, output = sessions["known defects"]
     assert code == 0, output
     assert "2 passed" in output and "1 skipped" in output, output
     assert "1 xfailed" in output and "1 xpassed" in output, output
@@ -176,10 +201,8 @@ def test_known_defects_are_expected_failures_that_still_run(tmp_path):
     assert "no base-e bf16 kernel at D=72 here" in output
 
 
-def test_unknown_scenario_property_is_a_usage_error(tmp_path):
-    tests = 'import pytest\n\n@pytest.mark.scenario("short_tables")\ndef test_x(dcp):\n    pass\n'
-    write_session(tmp_path, {"test_typo.py": tests})
-    code, output = run_inner_pytest(tmp_path, [])
+def test_unknown_scenario_property_is_a_usage_error(sessions):
+    code, output = sessions["scenario typo"]
     assert code == 4, output
     assert "unknown scenario properties ['short_tables']" in output and "'short_table'" in output
 

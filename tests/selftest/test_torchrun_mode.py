@@ -16,7 +16,7 @@ from tests.selftest.inner import default_placement, inner_env, write_session
 
 pytestmark = pytest.mark.spawned_only
 
-CASE_TIMEOUT_S = 3
+CASE_TIMEOUT_S = 2
 
 TORCHRUN_TESTS = """
 import os
@@ -102,7 +102,7 @@ def test_ranks_agree_and_only_rank_zero_reports(torchrun_session):
     assert after[0] == before[0] == "failed"
     assert "failing ranks [1]; ranks [0] passed" in after[1]
     assert "[rank 1] ValueError: planted failure on rank 1" in after[1]
-    # Rank 1 failed before the collective: rank 0 is stopped 3 s later, not at the timeout.
+    # Rank 1 failed before the collective: rank 0 is stopped PEER_GRACE_S later, not at the timeout.
     assert "failing ranks [1]; ranks [0] did not finish: still running after a peer failed" in before[1]
 
 

@@ -4,13 +4,9 @@ traceback; never an INTERNALERROR, nor a run that checks nothing and passes."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.selftest.inner import inner_env, write_session
+from tests.selftest.inner import run_sessions_in_one_interpreter, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -91,26 +87,17 @@ CASES = [
 def probe_results(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("usage")
     write_session(tmp_path, {"test_multi.py": MULTI_RANK_TESTS, **BROKEN_IMPLS})
-    (tmp_path / "cases.json").write_text(
-        json.dumps([{"args": [*argv, "test_multi.py"], "env": env} for _, argv, env, _ in CASES])
+    return run_sessions_in_one_interpreter(
+        tmp_path, {name: ([*argv, "test_multi.py"], env) for name, argv, env, _ in CASES}, timeout=120
     )
-    env = inner_env()
-    env["PYTHONPATH"] = str(tmp_path) + ":" + env["PYTHONPATH"]  # raises_at_import:Impl by module name
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.selftest.usage_probe", "cases.json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(zip([name for name, *_ in CASES], json.loads(proc.stdout)))
 
 
 @pytest.mark.parametrize(
     "name, expected", [(name, expected) for name, _, _, expected in CASES], ids=[c[0] for c in CASES]
 )
 def test_bad_input_is_a_one_line_usage_error(probe_results, name, expected):
-    result = probe_results[name]
-    output = result["output"]
-    assert result["code"] == 4, output
+    code, output = probe_results[name]
+    assert code == 4, output
     assert "Traceback" not in output and "INTERNALERROR" not in output, output
     errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
     assert len(errors) == 1 and expected in errors[0], output
