@@ -42,15 +42,16 @@ pytestmark = [
 
 RHO = 4
 TOP_K = 16
-NUM_HEADS = 8
+NUM_HEADS = 8  # one head per rank at W = 8 only; test_sharded_attention_one_head_per_rank has H = W
 HEAD_DIM = 64
 WINDOW = 8
 TOKEN_CHUNK = 5  # splits the batch into uneven sub-chunks
-# Natural-log sinks per head, against rows whose logits' mass is about e^3.7.
+# Natural-log sinks per head, against rows whose logits' mass is about e^3.7
+# (H < 8 heads take the first H).
 SINKS = torch.tensor([2.5, 2.75, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5])
 
 
-def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs, views=False):
+def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, bs, views=False, num_heads=NUM_HEADS):
     """``views``: q, the slots and the partial LSE are handed over as strided
     views (q as the leading columns of a wider buffer, slots as column slices,
     the LSE as the transposed view of a [H, T] buffer); every check holds."""
@@ -59,13 +60,21 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     layout = KvLayout(rho=RHO, bs=bs, interleave=interleave, world_size=W)
     batch = build_step_batch(layout, top_k=TOP_K, seed=ctx.seed)
     inputs = build_attention_inputs(
-        batch, num_heads=NUM_HEADS, head_dim=HEAD_DIM, window=WINDOW, dtype=dtype, seed=ctx.seed + 1
+        batch, num_heads=num_heads, head_dim=HEAD_DIM, window=WINDOW, dtype=dtype, seed=ctx.seed + 1
     )
-    inputs = dataclasses.replace(inputs, sink=SINKS.clone())
+    inputs = dataclasses.replace(inputs, sink=SINKS[:num_heads].clone())
     scheme = conventions_of(impl).sink_scheme
-    heads = own_heads(ctx, NUM_HEADS)
+    heads = own_heads(ctx, num_heads)
     context = failure_context(
-        ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, S=interleave, bs=bs, views=views, sinks=scheme
+        ctx,
+        backend=backend,
+        lse_base=lse_base,
+        dtype=dtype_name,
+        S=interleave,
+        bs=bs,
+        H=num_heads,
+        views=views,
+        sinks=scheme,
     )
     where = format_context(context)
     num_tokens, heads_local = batch.num_tokens, heads.stop - heads.start
@@ -81,8 +90,8 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     def outputs(capability, result, *expected):
         return assert_outputs(capability, result, expected, device=device, context=where)
 
-    out_type = Expected("out", (num_tokens, NUM_HEADS, HEAD_DIM), dtype)
-    lse_type = Expected("lse", (num_tokens, NUM_HEADS), torch.float32)
+    out_type = Expected("out", (num_tokens, num_heads, HEAD_DIM), dtype)
+    lse_type = Expected("lse", (num_tokens, num_heads), torch.float32)
     local_type = Expected("out", (num_tokens, heads_local, HEAD_DIM), dtype)
 
     table = rank_block_table(batch, rank)
@@ -98,12 +107,12 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     q = outputs(
         "gather_heads",
         impl.gather_heads(q_local, ctx.group, dim=1),
-        Expected("q", (num_tokens, NUM_HEADS, HEAD_DIM), dtype),
+        Expected("q", (num_tokens, num_heads, HEAD_DIM), dtype),
     )
     sink = outputs(
         "gather_heads",
         impl.gather_heads(sink_local, ctx.group, dim=0),
-        Expected("sinks", (NUM_HEADS,), inputs.sink.dtype),
+        Expected("sinks", (num_heads,), inputs.sink.dtype),
     )
     for name, got, want in (("q", q, inputs.q), ("sinks", sink, inputs.sink)):
         if got.shape != want.shape or not torch.equal(got.cpu(), want):
@@ -230,7 +239,6 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
         ("ag_rs", "2", "fp32", 1, 4),
         ("a2a", "e", "fp32", 2, 8),
         ("ag_rs", "e", "bf16", 4, 8),
-        ("a2a", "2", "bf16", 1, 8),
     ],
 )
 def test_sharded_attention_matches_dcp1(dcp, backend, lse_base, dtype_name, interleave, bs):
@@ -241,6 +249,20 @@ def test_sharded_attention_matches_dcp1(dcp, backend, lse_base, dtype_name, inte
         dtype_name=dtype_name,
         interleave=interleave,
         bs=bs,
+    )
+
+
+def test_sharded_attention_one_head_per_rank(dcp):
+    """H = W: every rank keeps one head (H_loc = 1) at every world size, not
+    only at W = 8; a2a with bf16 packs the LSE as two columns."""
+    dcp.run(
+        check_sharded_attention,
+        backend="a2a",
+        lse_base="2",
+        dtype_name="bf16",
+        interleave=1,
+        bs=8,
+        num_heads=dcp.world_size,
     )
 
 
