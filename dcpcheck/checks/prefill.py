@@ -18,7 +18,7 @@ from dcpcheck.scenarios.batch import KvLayout, StepBatch, dcp1_block_table, rank
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS, build_prefill_batch
 from dcpcheck.stages import STAGE_PREFILL
 
-NUM_HEADS = 8  # W = 8 leaves one head per rank
+NUM_HEADS = 8  # the default head count: one head per rank at W = 8 (num_heads=W gives one at every W)
 HEAD_DIM = 64
 WINDOW = 8
 
@@ -49,11 +49,13 @@ class PrefillStep:
         )
 
 
-def prefill_step(ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, **context) -> PrefillStep:
+def prefill_step(
+    ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, num_heads=NUM_HEADS, **context
+) -> PrefillStep:
     layout = KvLayout(rho=rho, bs=bs, interleave=S, world_size=ctx.world_size)
     batch = build_prefill_batch(layout, top_k=top_k, seed=ctx.seed, long_chunk=long_chunk)
     inputs = build_attention_inputs(
-        batch, num_heads=NUM_HEADS, head_dim=HEAD_DIM, window=WINDOW, dtype=DTYPES[dtype_name], seed=ctx.seed + 1
+        batch, num_heads=num_heads, head_dim=HEAD_DIM, window=WINDOW, dtype=DTYPES[dtype_name], seed=ctx.seed + 1
     )
     table = rank_block_table(batch, ctx.rank)
     cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
@@ -66,10 +68,11 @@ def prefill_step(ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, 
         "bs": bs,
         "K": top_k,
         "dtype": dtype_name,
+        "H": num_heads,
         **context,
     }
     return PrefillStep(
-        batch, inputs, own_heads(ctx, NUM_HEADS), table.to(ctx.device), cache.to(ctx.device), full_context
+        batch, inputs, own_heads(ctx, num_heads), table.to(ctx.device), cache.to(ctx.device), full_context
     )
 
 

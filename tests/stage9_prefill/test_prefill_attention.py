@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcpcheck.checks.prefill import HEAD_DIM, oracle_dcp1, port_dcp1, prefill_step, run_layer
+from dcpcheck.checks.prefill import HEAD_DIM, NUM_HEADS, oracle_dcp1, port_dcp1, prefill_step, run_layer
 from dcpcheck.compare import MismatchError, assert_close
 from dcpcheck.spies import environment, spy_on_capability, spy_on_collectives
 from dcpcheck.stages import STAGE_PREFILL
@@ -42,8 +42,8 @@ def check_against_dcp1(ctx, step, out, what: str) -> dict:
     }
 
 
-def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend):
-    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, dtype_name=dtype_name, backend=backend)
+def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend, num_heads=NUM_HEADS):
+    step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, dtype_name=dtype_name, backend=backend, num_heads=num_heads)
     layer = ctx.impl.build_attention(step.batch.layout, ctx.group, prefill_gather=True, backend=backend)
     with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
         out = run_layer(layer, step, ctx.device)
@@ -56,13 +56,26 @@ def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend):
     "rho, S, bs, K, dtype_name, backend",
     [
         (4, 1, 2, 16, "fp32", "ag_rs"),
-        (4, 2, 8, 16, "fp32", "a2a"),
         (4, 4, 8, 24, "bf16", "ag_rs"),
         (128, 1, 2, 64, "fp32", "a2a"),  # C128A: K covers every state
     ],
 )
 def test_gathered_prefill_matches_dcp1(dcp, rho, S, bs, K, dtype_name, backend):
     dcp.run(check_gathered_prefill, rho=rho, S=S, bs=bs, K=K, dtype_name=dtype_name, backend=backend)
+
+
+def test_gathered_prefill_one_head_per_rank(dcp):
+    """H = W: every rank attends one head (H_loc = 1) at every world size, not only at W = 8."""
+    dcp.run(
+        check_gathered_prefill,
+        rho=4,
+        S=2,
+        bs=8,
+        K=16,
+        dtype_name="fp32",
+        backend="a2a",
+        num_heads=dcp.world_size,
+    )
 
 
 def largest_q_gather(collectives, heads_local: int) -> int:
@@ -112,14 +125,19 @@ def check_sub_chunks(ctx, step, chunk: int | None, backend: str) -> dict:
     return {"largest_q_gather": largest, **worst}
 
 
-def check_small_chunks(ctx, *, backend):
-    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, sub_chunk=SMALL_CHUNK, backend=backend)
+def check_small_chunks(ctx, *, backend, num_heads=NUM_HEADS):
+    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, sub_chunk=SMALL_CHUNK, backend=backend, num_heads=num_heads)
     return check_sub_chunks(ctx, step, SMALL_CHUNK, backend)
 
 
-@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
-def test_small_sub_chunks_match_unsplit_and_dcp1(dcp, backend):
-    dcp.run(check_small_chunks, backend=backend)
+def test_small_sub_chunks_match_unsplit_and_dcp1(dcp):
+    dcp.run(check_small_chunks, backend="ag_rs")
+
+
+def test_small_sub_chunks_one_head_per_rank(dcp):
+    """H = W: the non-gather path with one head per rank (H_loc = 1) at every
+    world size; a2a, the backend the case above does not run."""
+    dcp.run(check_small_chunks, backend="a2a", num_heads=dcp.world_size)
 
 
 def check_default_chunks(ctx):
