@@ -36,7 +36,7 @@ from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
 pytestmark = pytest.mark.needs("build_attention")
 
-NUM_HEADS = 8
+NUM_HEADS = 8  # one head per rank at W = 8; test_dsv41_topology_trace has one at every W
 HEAD_DIM = 64
 WINDOW = 8  # DSV4 uses 128; small keeps the CPU run fast and the window short of most requests
 LAYERS = (
@@ -56,9 +56,13 @@ TOKEN_BUDGET = 160
 PAD_TO = 8
 
 
-def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS, prefill_token_chunk=None):
+def check_serving_trace(
+    ctx, *, backend, prefill_gather, layers=LAYERS, prefill_token_chunk=None, heads_per_rank: int | None = None
+):
+    """``heads_per_rank``: H = heads_per_rank * W (default H = NUM_HEADS); an
+    implementation that declares its ``local_heads`` gets those instead."""
     declared = conventions_of(ctx.impl)
-    num_heads = (declared.local_heads or NUM_HEADS // ctx.world_size) * ctx.world_size
+    num_heads = (declared.local_heads or heads_per_rank or NUM_HEADS // ctx.world_size) * ctx.world_size
     heads = own_heads(ctx, num_heads)
     steps = schedule_trace(REQUESTS, token_budget=TOKEN_BUDGET, pad_to=PAD_TO)
     tensors = []
@@ -123,6 +127,7 @@ def check_serving_trace(ctx, *, backend, prefill_gather, layers=LAYERS, prefill_
                     "stage": "e2e",
                     "W": ctx.world_size,
                     "rank": ctx.rank,
+                    "H": num_heads,
                     "backend": backend,
                     "prefill": path,
                     "step": step_index,
@@ -245,7 +250,8 @@ def test_layer_order_within_a_step(dcp, order):
 # DSV4.1's own topology (compress ratio 1, a one-token interleave): SWA only,
 # and two compressed KV groups, through stage 3 with prefill split into
 # sub-chunks of 64 tokens (so the DCP_PREFILL_TOKEN_CHUNK loop runs several
-# times per request) and through the stage-9 gather.
+# times per request) and through the stage-9 gather. One head per rank
+# (H = W) at every world size, unless the implementation declares its own.
 DSV41_LAYERS = (
     LayerSpec(rho=0),
     LayerSpec(rho=1, bs=8, interleave=1, top_k=16),
@@ -267,4 +273,5 @@ def test_dsv41_topology_trace(dcp, prefill_gather):
         prefill_gather=prefill_gather,
         layers=DSV41_LAYERS,
         prefill_token_chunk=64,
+        heads_per_rank=1,
     )
