@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.selftest.inner import run_inner_pytest, start_inner_pytest, write_session
+from tests.selftest.inner import start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -25,22 +25,6 @@ def spin_after_starting_processes(ctx, *, marker, pid_file):
 
 def test_spins(dcp, tmp_path_factory):
     dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}")
-"""
-
-CASE_PROCESSES_TESTS = """
-import os
-from pathlib import Path
-from tests.selftest.hostile import start_processes
-
-def test_starts_processes(dcp):
-    dcp.run(start_processes, pid_file="{pid_file}")
-
-def test_they_are_gone():
-    paths = sorted(Path("{pid_file}").parent.glob("{pid_file_name}.*"))
-    assert len(paths) == 2, paths
-    for path in paths:
-        for pid in map(int, path.read_text().split()):
-            assert not Path(f"/proc/{{pid}}").exists() or Path(f"/proc/{{pid}}/stat").read_text().split(") ")[1][0] == "Z", pid
 """
 
 
@@ -117,27 +101,6 @@ def test_sigterm_of_the_xdist_controller_ends_its_workers_ranks(tmp_path):
     assert _wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
 
 
-POOL_DIES_BETWEEN_CASES_TESTS = """
-from tests.selftest.hostile import report_then_exit
-from tests.selftest.rank_functions import sum_of_ranks
-
-def test_a_rank_exits_after_its_case(dcp):
-    dcp.run(report_then_exit, bad_rank=1)
-
-def test_the_next_case_gets_a_fresh_pool(dcp):
-    dcp.run(sum_of_ranks)
-"""
-
-
-def test_a_session_whose_pool_died_between_cases_leaves_no_temporary_directory(tmp_path):
-    write_session(tmp_path, {"test_pool_dies.py": POOL_DIES_BETWEEN_CASES_TESTS})
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2"], TMPDIR=str(scratch))
-    assert code == 0 and "2 passed" in output, output
-    assert not list(scratch.glob("dcpcheck-pool-*")), list(scratch.iterdir())
-
-
 # Ctrl-C during a case must not wait for the stuck ranks (the case timeout) nor
 # for their orderly stop: the pool is killed at once.
 CTRL_C_RETURN_S = 5.0
@@ -152,10 +115,84 @@ def _pool_dir(rank_pid: int) -> Path:
     raise AssertionError(f"rank {rank_pid} has no stack file open")
 
 
-def test_processes_a_case_starts_are_gone_when_it_ends(tmp_path):
+# One session, three promises kept when it ends: a pool that died between
+# cases leaves no temporary directory, what a case started is gone when the
+# case ends, and no pool process outlives the session.
+FINISHED_SESSION_TESTS = """
+from pathlib import Path
+
+import pytest
+from tests.selftest.hostile import report_then_exit, start_processes
+from tests.selftest.rank_functions import sum_of_ranks
+
+@pytest.mark.world_sizes(2)
+def test_a_rank_exits_after_its_case(dcp):
+    dcp.run(report_then_exit, bad_rank=1)
+
+@pytest.mark.world_sizes(2)
+def test_the_next_case_gets_a_fresh_pool(dcp):
+    dcp.run(sum_of_ranks)
+
+@pytest.mark.world_sizes(2)
+def test_starts_processes(dcp):
+    dcp.run(start_processes, pid_file="{pid_file}")
+
+def test_they_are_gone():
+    paths = sorted(Path("{pid_file}").parent.glob("{pid_file_name}.*"))
+    assert len(paths) == 2, paths
+    for path in paths:
+        for pid in map(int, path.read_text().split()):
+            assert not Path(f"/proc/{{pid}}").exists() or Path(f"/proc/{{pid}}/stat").read_text().split(") ")[1][0] == "Z", pid
+
+def test_one_more_pool(dcp):
+    dcp.run(sum_of_ranks)
+"""
+
+
+@pytest.fixture(scope="module")
+def finished_session(tmp_path_factory):
+    """-> (the inner pytest's pid, its output with a line per passed test, its TMPDIR)."""
+    tmp_path = tmp_path_factory.mktemp("finished")
     pid_file = tmp_path / "pids"
-    tests = CASE_PROCESSES_TESTS.format(pid_file=pid_file, pid_file_name=pid_file.name)
-    write_session(tmp_path, {"test_case_processes.py": tests})
-    code, output = run_inner_pytest(tmp_path, ["--world-sizes", "1,2", "-k", "W2 or gone", "--dcp-timeout", "20"])
-    assert code == 0, output
-    assert "2 passed" in output, output
+    tests = FINISHED_SESSION_TESTS.format(pid_file=pid_file, pid_file_name=pid_file.name)
+    write_session(tmp_path, {"test_finished.py": tests})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = start_inner_pytest(tmp_path, ["-rA", "--world-sizes", "1,2", "--dcp-timeout", "20"], TMPDIR=str(scratch))
+    output, _ = proc.communicate(timeout=240)
+    return proc.pid, output, scratch
+
+
+def _passed(output: str, *tests: str) -> None:
+    for test in tests:
+        assert f"PASSED test_finished.py::{test}" in output, f"{test} did not pass:\n{output}"
+
+
+def _pool_processes(parent_pid: int) -> list[str]:
+    """Command lines of the pool processes started by ``parent_pid``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(parent_pid).encode():
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
+def test_no_worker_outlives_a_finished_session(finished_session):
+    pid, output, _ = finished_session
+    _passed(output, "test_one_more_pool[W1]", "test_one_more_pool[W2]")
+    assert _pool_processes(pid) == []
+
+
+def test_a_session_whose_pool_died_between_cases_leaves_no_temporary_directory(finished_session):
+    _, output, scratch = finished_session
+    _passed(output, "test_a_rank_exits_after_its_case[W2]", "test_the_next_case_gets_a_fresh_pool[W2]")
+    assert not list(scratch.glob("dcpcheck-pool-*")), list(scratch.iterdir())
+
+
+def test_processes_a_case_starts_are_gone_when_it_ends(finished_session):
+    _, output, _ = finished_session
+    _passed(output, "test_starts_processes[W2]", "test_they_are_gone")

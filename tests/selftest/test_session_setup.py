@@ -4,11 +4,10 @@ pytest session (they happen at configure and collection time)."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.selftest.inner import run_inner_pytest, run_sessions_in_one_interpreter, start_inner_pytest, write_session
+from tests.selftest.inner import run_inner_pytest, run_sessions_in_one_interpreter, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -27,28 +26,6 @@ def test_stage_three():
 def test_needs_missing_capability():
     pass
 """
-
-
-def _pool_processes(parent_pid: int) -> list[str]:
-    """Command lines of the pool processes started by ``parent_pid``."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(parent_pid).encode():
-            found.append(b" ".join(args).decode(errors="replace"))
-    return found
-
-
-def test_no_worker_outlives_a_finished_session(tmp_path):
-    passing = "def one(ctx):\n    return ctx.rank\n\ndef test_ok(dcp):\n    assert dcp.run(one) == list(range(dcp.world_size))\n"
-    write_session(tmp_path, {"test_ok.py": passing})
-    proc = start_inner_pytest(tmp_path, ["--world-sizes", "1,2"])
-    output, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, output
-    assert _pool_processes(proc.pid) == []
 
 
 KNOWN_DEFECT_IMPL = """
