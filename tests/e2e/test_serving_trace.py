@@ -93,9 +93,16 @@ def check_serving_trace(
         prefill_gather=prefill_gather,
         **({} if prefill_token_chunk is None else {"prefill_token_chunk": prefill_token_chunk}),
     )
-    dcp1_stack = RankStack(
-        ctx.impl, DcpGroup.single_rank(ctx.device), layers, REQUESTS, **stack_args, prefill_gather=False
-    )
+    # The W=1 stack is one computation of every head, on rank 0, shared with
+    # the others (not W copies); an implementation that declares its heads per
+    # rank gets a W=1 stack of its own heads on every rank.
+    shared_dcp1 = ctx.world_size > 1 and not declared.local_heads
+    dcp1_stack = None
+    if ctx.rank == 0 or not shared_dcp1:
+        dcp1_args = {**stack_args, "heads": slice(0, num_heads)} if shared_dcp1 else stack_args
+        dcp1_stack = RankStack(
+            ctx.impl, DcpGroup.single_rank(ctx.device), layers, REQUESTS, **dcp1_args, prefill_gather=False
+        )
     path = "gather" if prefill_gather else "stage 3 sub-chunks"
     worst: dict[str, float] = {}
 
@@ -110,7 +117,11 @@ def check_serving_trace(
             check_kv_gathered_once(
                 ctx, layers, rows, prefill_gather, group.gathered_kv_rows - gathered_before, step_index
             )
-            dcp1_out = dcp1_stack.step(rows, inputs)
+            dcp1_out = dcp1_stack.step(rows, inputs) if dcp1_stack is not None else None
+            if shared_dcp1:
+                shape = (len(layers), len(rows.positions), num_heads, HEAD_DIM)
+                dcp1_out = share_from_rank0(ctx, dcp1_out, shape, inputs[0].q.dtype)
+                dcp1_out = [out[:, heads] for out in dcp1_out]
             labels = tuple(f"{label}, position {p}" for label, p in zip(rows.row_labels, rows.positions.tolist()))
             for index, (spec, data, layer_inputs) in enumerate(zip(layers, tensors, inputs)):
                 comp_cache, comp_slots, swa_cache, swa_slots = data.dense_candidates(rows, layer_inputs, WINDOW)
@@ -143,11 +154,22 @@ def check_serving_trace(
                     )
                     worst[what] = max(worst.get(what, 0.0), stats.worst_ratio)
             dcp_stack.finish(step.finished)
-            dcp1_stack.finish(step.finished)
+            if dcp1_stack is not None:
+                dcp1_stack.finish(step.finished)
 
     if not fused:
         check_geometry_once_per_step(ctx, layers, steps, prefill_gather, len(geometry_calls))
     return worst
+
+
+def share_from_rank0(ctx, outputs: list[torch.Tensor] | None, shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """Rank 0's per-layer outputs (CPU, ``shape[1:]`` each), on every rank:
+    ``[layers, T, H, D]`` on the CPU."""
+    if ctx.rank == 0:
+        buffer = torch.stack(outputs).to(ctx.device)
+    else:
+        buffer = torch.empty(shape, dtype=dtype, device=ctx.device)
+    return ctx.group.broadcast(buffer, src=0).cpu()
 
 
 def check_kv_gathered_once(ctx, layers, rows, prefill_gather: bool, gathered_rows: int, step_index: int) -> None:
