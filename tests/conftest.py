@@ -10,9 +10,12 @@ no longer reads, so ``xdist_group`` marks are silently ignored
 
 from __future__ import annotations
 
+import pytest
+
 SELFTEST_PREFIX = "tests/selftest/"
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadgroup":
         return None  # xdist's own
