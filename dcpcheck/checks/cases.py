@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from dcpcheck.compare import Expected, assert_outputs
 from dcpcheck.impls.protocol import SCENARIO_PROPERTIES, CaseTerms
 
 LSE_BASES = {"2": 2.0, "e": math.e}
@@ -43,3 +44,10 @@ def case_terms(
         head_dim=case.get("head_dim"),
         properties=frozenset(properties),
     )
+
+
+def checked_layer_output(out, q: torch.Tensor, device) -> torch.Tensor:
+    """A layer forward's output, checked to be ``q``'s shape and dtype on
+    ``device`` (``q``: this rank's heads of the layer's query), on the CPU."""
+    expected = (Expected("out", tuple(q.shape), q.dtype),)
+    return assert_outputs("the layer's forward", out, expected, device=device).cpu()

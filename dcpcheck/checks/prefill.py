@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.checks.cases import DTYPES, own_heads
-from dcpcheck.compare import Expected, assert_outputs, format_context
+from dcpcheck.checks.cases import DTYPES, checked_layer_output, own_heads
+from dcpcheck.compare import format_context
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.ranks.group import DcpGroup
@@ -98,8 +98,7 @@ def run_layer(layer, step: PrefillStep, device, *, block_table=None, comp_cache=
         comp_cache=step.comp_cache if comp_cache is None else comp_cache,
         topk=batch.topk.to(device),
     )
-    expected = (Expected("out", tuple(inputs.q[:, heads].shape), inputs.q.dtype),)
-    return assert_outputs("the layer's forward", out, expected, device=device).cpu()
+    return checked_layer_output(out, inputs.q[:, heads], device)
 
 
 def oracle_dcp1(step: PrefillStep) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.compare import Expected, assert_outputs
+from dcpcheck.checks.cases import checked_layer_output
 from dcpcheck.oracle.layout import pages_needed
 from dcpcheck.scenarios.layers import LayerLayout, LayerSpec, LayerStepInputs
 from dcpcheck.scenarios.paging import PagedTables
@@ -105,9 +105,7 @@ class RankStack:
                 kv=layer_inputs.kv.to(device),
                 states=None if layer_inputs.states is None else layer_inputs.states.to(device),
             )
-            q_shape = tuple(layer_inputs.q[:, self.heads].shape)
-            expected = (Expected("out", q_shape, layer_inputs.q.dtype),)
-            outputs.append(assert_outputs("the layer's forward", out, expected, device=device).cpu())
+            outputs.append(checked_layer_output(out, layer_inputs.q[:, self.heads], device))
         return outputs
 
     def finish(self, uids) -> None:
