@@ -61,8 +61,10 @@ def _filter_index_kernel(
     table_rows = block_table_ptr + req[:, None] * block_table_row_stride
 
     # Owned entries of each tile are appended after the ones already kept.
+    # While loops over the runtime top_k, not range(): see triton_env.py.
     count = tl.zeros([TOKENS], dtype=tl.int32)
-    for k0 in range(0, top_k, TILE):
+    k0 = 0
+    while k0 < top_k:
         cols = k0 + tl.arange(0, TILE).to(tl.int64)
         in_bounds = row_in[:, None] & (cols < top_k)[None, :]
         ids = tl.load(topk_rows + cols[None, :], mask=in_bounds, other=-1).to(tl.int64)
@@ -72,11 +74,14 @@ def _filter_index_kernel(
         dest = count[:, None] + tl.cumsum(keep, axis=1) - keep
         tl.store(slot_rows + dest.to(tl.int64), slot.to(tl.int32), mask=mine)
         count += tl.sum(keep, axis=1)
+        k0 += TILE
 
-    for k0 in range(0, top_k, TILE):
+    k0 = 0
+    while k0 < top_k:
         cols = k0 + tl.arange(0, TILE).to(tl.int64)
         tail = row_in[:, None] & (cols < top_k)[None, :] & (cols[None, :] >= count[:, None])
         tl.store(slot_rows + cols[None, :], tl.full([TOKENS, TILE], -1, tl.int32), mask=tail)
+        k0 += TILE
     tl.store(counts_ptr + rows, count, mask=row_in)
 
 

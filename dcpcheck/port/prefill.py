@@ -116,7 +116,8 @@ def _prefill_remap_kernel(
     slot_rows = slots_ptr + rows[:, None] * slots_row_stride
 
     count = tl.zeros([TOKENS], dtype=tl.int32)
-    for k0 in range(0, top_k, TILE):
+    k0 = 0  # a while loop over the runtime top_k, not range(): see triton_env.py
+    while k0 < top_k:
         cols = k0 + tl.arange(0, TILE).to(tl.int64)
         in_bounds = row_in[:, None] & (cols < top_k)[None, :]
         ids = tl.load(topk_rows + cols[None, :], mask=in_bounds, other=-1).to(tl.int64)
@@ -128,6 +129,7 @@ def _prefill_remap_kernel(
         slot = (bases[:, None] + owner * pages[:, None] + vblock) * bs + local_offset
         tl.store(slot_rows + cols[None, :], tl.where(keep, slot, -1).to(tl.int32), mask=in_bounds)
         count += tl.sum(keep.to(tl.int32), axis=1)
+        k0 += TILE
     tl.store(counts_ptr + rows, count, mask=row_in)
 
 

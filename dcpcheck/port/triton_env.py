@@ -5,6 +5,14 @@ Without a GPU the kernels run under the Triton interpreter, which reads
 interpreter pays about 1 ms per program instance, so it gets large blocks; a
 GPU gets blocks that fit in registers. Every launch size of the port lives
 here, next to the decision it depends on.
+
+Kernels loop over a runtime bound (top-k) with ``while``, not ``range()``:
+the interpreter hands a kernel its scalars as 1-element arrays, and Triton
+3.6's interpreter turns one into a ``range()`` bound with ``int()``, which
+NumPy 2.4 refuses (``only 0-dimensional arrays can be converted``); a
+``while`` test goes through ``bool()``, which every Triton admitted here
+accepts. ``tests/selftest/test_interpreter_kernels.py`` runs each kernel
+under the interpreter.
 """
 
 from __future__ import annotations
