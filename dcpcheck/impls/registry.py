@@ -38,10 +38,14 @@ def _dsv41_tree(spec: str):
     try:
         return Dsv41Implementation(spec)
     except PortSpecError as exc:
-        raise ImplSpecError(f"--dcp-impl {spec}: {exc}") from None
+        raise ImplSpecError(f"--dcp-impl {spec}: {' '.join(str(exc).split())}") from None
 
 
 BUILTIN = {"port": _embedded_port, "vllm": _vllm_tree}
+INSTALL_HINT = (
+    "install it (vLLM on CPU: tools/install_vllm_cpu.sh .venv; for dsv41 also PYTHONPATH=build/dsv41-tree, "
+    "from tools/build_dsv41_tree.sh; on a GPU host: tools/carry_vllm.py)"
+)
 
 ACCEPTED = (
     "'port' (the embedded reference port), 'vllm' (an installed vLLM tree's DCP primitives), "
@@ -104,19 +108,24 @@ def _resolve_attr(spec: str):
         raise ImplSpecError(f"--dcp-impl {spec!r}: module {target!r} has no attribute {attr!r}") from None
 
 
+def _built_in(spec: str, build):
+    """A built-in implementation; a module it needs that is missing or fails to import is a usage error."""
+    try:
+        return build()
+    except ImportError as exc:
+        raise ImplSpecError(
+            f"--dcp-impl {spec}: a module it needs is missing or does not import ({_one_line(exc)}); "
+            f"{INSTALL_HINT}, or pick another implementation; accepted: {ACCEPTED}"
+        ) from exc
+
+
 @cache
 def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
     if spec in BUILTIN:
-        try:
-            return BUILTIN[spec]()
-        except ImportError as exc:
-            raise ImplSpecError(
-                f"--dcp-impl {spec}: a module it needs is missing ({_one_line(exc)}); install it "
-                f"(for vllm: tools/install_vllm_cpu.sh .venv), or pick another implementation; accepted: {ACCEPTED}"
-            ) from exc
+        return _built_in(spec, BUILTIN[spec])
     if spec == "dsv41" or spec.startswith("dsv41:"):
-        return _dsv41_tree(spec)
+        return _built_in(spec, lambda: _dsv41_tree(spec))
     if ":" not in spec:
         raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")
     found = _resolve_attr(spec)

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES, CaseTerms
+from dcpcheck.impls.vllm_stand_ins import install_stand_ins
 from dcpcheck.port.triton_env import ensure_triton_mode
 
 INSTALL_HINT = "install it with: tools/install_vllm_cpu.sh <venv>"
@@ -127,6 +128,9 @@ class VllmImplementation:
             os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
         try:
             import vllm
+
+            # Before any vLLM module reaches for a compiled extension (on CUDA, at import).
+            self.stand_ins = install_stand_ins()
             from vllm.triton_utils import HAS_TRITON
             from vllm.v1.attention.backends.mla import compressor_utils, sparse_utils
             from vllm.v1.attention.ops import dcp
@@ -136,6 +140,10 @@ class VllmImplementation:
             raise ImportError(
                 f"--dcp-impl vllm: cannot import vLLM's DCP modules: {missing}; {INSTALL_HINT}",
                 name=exc.name,
+            ) from exc
+        except Exception as exc:  # a vLLM module raising at import (e.g. a compiled op it calls)
+            raise ImportError(
+                f"--dcp-impl vllm: importing vLLM's DCP modules raised {type(exc).__name__}: {exc}; {INSTALL_HINT}"
             ) from exc
         if not HAS_TRITON:
             raise RuntimeError(
@@ -150,6 +158,10 @@ class VllmImplementation:
         self._gather_query = dcp.MLADCPManager._gather_query
         self._combine_by_backend = {"ag_rs": dcp.cp_lse_ag_out_rs, "a2a": dcp.dcp_a2a_lse_reduce}
         self._ag_rs_correction_kernel = dcp._CORRECT_ATTN_CP_OUT_KERNEL
+
+    def describe(self) -> str:
+        """The run header's line: the release, and every stand-in for a compiled extension."""
+        return " | ".join((f"vllm {self.version}", *self.stand_ins))
 
     # ---- stage 1 -----------------------------------------------------------
     def filter_index(self, topk, token_to_req, block_table, is_valid_token, *, bs, world_size, rank, interleave):

@@ -32,6 +32,7 @@ from dcpcheck.impls.dsv41.layer import (
     LayerSpec,
     build_port_layer,
     check_stage_gate,
+    tree_refusal,
 )
 from dcpcheck.impls.dsv41.tree import PortSpec, PortSpecError, PortTree
 
@@ -62,11 +63,13 @@ class Dsv41Implementation:
         self._filter_layers: dict[tuple, object] = {}
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
         self._layers_built = 0
+        self._ratio_refusals: dict[int, str | None] = {}
         # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
         self.cache_mirrors: dict[int, tuple] = {}
 
     def describe(self) -> str:
-        return f"tree: {self.tree.spec.module}.{self.tree.spec.cls} | kernel: {self.kernel}"
+        tree = f"tree: {self.tree.spec.module}.{self.tree.spec.cls}"
+        return " | ".join((tree, f"kernel: {self.kernel}", *self.vllm.stand_ins))
 
     def topk_buffer(self, device) -> torch.Tensor:
         """The model-wide top-k buffer every layer of this process shares (one per device)."""
@@ -165,6 +168,7 @@ class Dsv41Implementation:
         prefill_gather=None,
         prefill_token_chunk=None,
         max_model_len=DEFAULT_MAX_MODEL_LEN,
+        stack=None,
         **options,
     ):
         if options:
@@ -189,7 +193,8 @@ class Dsv41Implementation:
             self,
             layout,
             group,
-            layer_id=self._layers_built,
+            stack=stack,
+            layer_id=self._layers_built if stack is None else stack.layer_id,
             backend=backend,
             prefill_gather=prefill_gather,
             prefill_token_chunk=prefill_token_chunk,
@@ -202,12 +207,24 @@ class Dsv41Implementation:
         reason = self.vllm.unavailable_reason(terms)
         if reason:
             return reason
+        if "v40_ratios" in terms.properties:
+            refusals = [refusal for refusal in map(self._ratio_refusal, (4, 128)) if refusal]
+            if refusals:
+                return (
+                    "DeepSeek-V4.0's C4A/C128A shapes (compress ratios 4 and 128): the tree's "
+                    f"DeepseekV4Attention.__init__ refuses them ({'; '.join(refusals)})"
+                )
         if terms.lse_base is not None and terms.lse_base not in self.conventions.lse_bases:
             return (
                 f"the DCP2 port calls the combine with base-2 LSEs only (is_lse_base_on_e=False), "
                 f"not base {terms.lse_base:g}"
             )
         return None
+
+    def _ratio_refusal(self, rho: int) -> str | None:
+        if rho not in self._ratio_refusals:
+            self._ratio_refusals[rho] = tree_refusal(self.tree, rho)
+        return self._ratio_refusals[rho]
 
     def known_defect(self, terms):
         """vLLM's own defects (the write side and the combine are the tree's), then the port's."""

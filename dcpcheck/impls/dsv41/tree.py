@@ -89,8 +89,10 @@ def reference_kernel_reason() -> str:
 def _file_of(module_name: str) -> str:
     try:
         spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        raise PortSpecError(f"cannot find module {module_name!r} ({exc}); {INSTALL_HINT}") from exc
+    except Exception as exc:  # a parent package missing a dependency, or raising at import
+        raise PortSpecError(
+            f"cannot find module {module_name!r} ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+        ) from exc
     if spec is None or not spec.origin:
         raise PortSpecError(f"cannot find module {module_name!r}; {INSTALL_HINT}")
     return spec.origin
@@ -112,6 +114,11 @@ def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
         raise PortSpecError(
             f"{path} does not import: {exc}. A DCP2 port needs the companion changes the diff relies on "
             f"(docs/dsv41.md, 'What the seed diff needs from the rest of the DCP2 stack'); {INSTALL_HINT}"
+        ) from exc
+    except Exception as exc:  # a module it imports raising (e.g. a compiled op called at import)
+        sys.modules.pop(private, None)
+        raise PortSpecError(
+            f"importing {module_name} ({path}) raised {type(exc).__name__}: {exc}; {INSTALL_HINT}"
         ) from exc
     return module
 
