@@ -17,37 +17,9 @@ PY="$VENV/bin/python"
 VLLM_VERSION=0.33.0
 TORCH_VERSION=2.13.0
 
-# What `import vllm.v1.attention.ops.dcp` and
-# `vllm.v1.attention.backends.mla.sparse_utils` fail on, one by one, on a venv
-# with only torch/triton/numpy (vllm/config/__init__.py pulls in most of vLLM).
-# Specifiers are vLLM 0.33.0's own Requires-Dist where it has one.
-# oss-harmony, not openai-harmony: both ship the `openai_harmony` module and
-# vLLM requires the former.
-DEPS=(
-  "pydantic>=2.12.0"
-  "regex"
-  "cbor2"
-  "psutil"
-  "pyzmq>=25.0.0"
-  "transformers>=5.16.1,<5.21.0"
-  "pillow>=13.0.0"
-  "aiohttp>=3.14.4"
-  "requests>=2.33.0"
-  "oss-harmony>=0.0.11"
-  "openai>=2.25.0"
-  "pybase64"
-  "cachetools"
-  "msgspec"
-  "cloudpickle"
-  "uvloop"
-  "py-cpuinfo"
-  "prometheus_client>=0.18.0"
-  "xgrammar==0.2.8"
-  "fastapi>=0.133.0,<0.137.0"
-  "partial-json-parser"
-  "llguidance>=1.7.0,<1.8.0"
-  "einops"  # imported by the DeepSeek-V4.1 attention modules (--dcp-impl dsv41)
-)
+# The pure-Python packages importing vLLM's DCP modules needs (one home,
+# shared with tools/carry_vllm.py).
+REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/vllm-import-requirements.txt"
 
 # The check: the three functions the adapter binds import on CPU, under the
 # Triton interpreter, and torch is the very build found before installing.
@@ -95,10 +67,10 @@ trap 'rm -f "$constraints"' EXIT
 printf 'torch==%s\ntriton==%s\n' "$TORCH_VERSION" "$installed_triton" >"$constraints"
 
 start=$SECONDS
-echo "installing vllm==$VLLM_VERSION (--no-deps) and ${#DEPS[@]} pure-Python deps into $VENV"
+echo "installing vllm==$VLLM_VERSION (--no-deps) and the pure-Python deps of $REQUIREMENTS into $VENV"
 # Deps first: installed after vLLM, they would make pip list all of vLLM's
 # other (GPU) requirements as conflicts. `pip check` still does: expected.
-"$VENV/bin/pip" install --quiet -c "$constraints" "${DEPS[@]}"
+"$VENV/bin/pip" install --quiet -c "$constraints" -r "$REQUIREMENTS"
 "$VENV/bin/pip" install --quiet -c "$constraints" --no-deps "vllm==$VLLM_VERSION"
 verify
 echo "installed in $((SECONDS - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"
