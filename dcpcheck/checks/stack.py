@@ -19,6 +19,7 @@ from dcpcheck.checks.cases import checked_layer_output
 from dcpcheck.oracle.layout import pages_needed
 from dcpcheck.scenarios.layers import LayerLayout, LayerSpec, LayerStepInputs
 from dcpcheck.scenarios.paging import PagedTables
+from dcpcheck.scenarios.topology import StackPosition
 from dcpcheck.scenarios.trace import RequestSpec, StepRows, swa_regions
 
 
@@ -43,8 +44,12 @@ class RankStack:
         window: int,
         heads: slice,
         seed: int,
+        topology=None,
         **layer_options,
     ):
+        """``topology``: the DSV4.1 topology ``specs`` were generated from
+        (:meth:`dcpcheck.scenarios.topology.Dsv41Topology.layer_specs`); each
+        layer is told its place in it."""
         world, rank, device = group.world_size, group.rank_in_group, group.device
         self.window, self.heads, self.device = window, heads, device
         self.swa_bases, swa_rows = swa_regions(requests)
@@ -69,7 +74,8 @@ class RankStack:
                 comp_cache = torch.full(
                     (self.tables[layout].num_pages * spec.bs, head_dim), float("nan"), device=device
                 )
-            attention = impl.build_attention(layout, group, **layer_options)
+            stack = None if topology is None else StackPosition(len(self.layers), topology)
+            attention = impl.build_attention(layout, group, stack=stack, **layer_options)
             swa_cache = torch.full((swa_rows, head_dim), float("nan"), device=device)
             self.layers.append(StackLayer(spec, layout, attention, swa_cache, comp_cache))
 

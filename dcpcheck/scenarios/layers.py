@@ -37,17 +37,22 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer of the stack: rho 0 (SWA only), 4 (C4A: indexer top-k) or
-    128 (C128A: every state, so ``top_k`` must cover the longest request)."""
+    """One layer of the stack: rho 0 (SWA only), or a compressed layer reading
+    an indexer top-k: DSV4.1's ratios 1 and 2 (:mod:`dcpcheck.scenarios.topology`),
+    or DeepSeek-V4.0's shapes the generic checks use, 4 (C4A) and 128 (C128A:
+    every state, so ``top_k`` must cover the longest request)."""
 
     rho: int
     bs: int = 1
     interleave: int = 1
     top_k: int = 0
-    # An earlier layer of the stack whose compressed cache (and top-k) this one
-    # reads, as DSV4.1's consumer layers read their kv-source's: it writes no
-    # compressed state of its own. Same layout as that layer.
+    # An earlier layer of the stack whose compressed cache this one reads, as
+    # DSV4.1's layers read their kv source's: it writes no compressed state of
+    # its own. Same layout as that layer.
     kv_source: int | None = None
+    # An earlier layer whose top-k this one reads from the model-wide buffer
+    # (DSV4.1's index source): it publishes none of its own. None: its own.
+    index_source: int | None = None
 
     @property
     def compressed(self) -> bool:
@@ -89,14 +94,16 @@ class LayerTensors:
         seed: int,
         rounded_to: torch.dtype | None = None,
         kv_from: LayerTensors | None = None,
+        topk_from: LayerTensors | None = None,
     ):
         """``rounded_to``: the dtype the layer under test computes in; q, the
         latents and the states are drawn in fp32 and rounded through it, so
         the oracle reads exactly what that layer reads. ``kv_from``: the
-        kv-source layer's data, whose latents, states and top-k this layer shares."""
+        kv-source layer's data, whose latents and states this layer shares;
+        ``topk_from``: the index-source layer's data, whose top-k it reads."""
         self.spec = spec
         self.seed = seed
-        self.topk_seed = seed if kv_from is None else kv_from.topk_seed
+        self.topk_seed = seed if topk_from is None else topk_from.topk_seed
         self.writes_states = kv_from is None
         gen = torch.Generator().manual_seed(seed)
         self.sink = torch.rand(num_heads, generator=gen) * 4.0 - 1.0  # about the mass of a few candidates
