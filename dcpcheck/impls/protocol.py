@@ -56,10 +56,10 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "summing or rescaling in the 16-bit dtype fails it",
     "multi_token_interleave": "compressed layers whose interleave spans more than one token "
     "(S states * rho tokens per state > 1), read and written at W > 1",
-    "adjacent_index_sources": "adjacent layers of one KV layout, each publishing its own top-k into the "
-    "one model-wide top-k buffer in the same step",
-    "kv_source_after_other_group": "a layer reading a kv source's cache after a layer of another KV group "
-    "in the same step",
+    "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
+    "its own top-k into the one model-wide top-k buffer in the same step",
+    "v40_ratios": "layers of DeepSeek-V4.0's compress ratios 4 (C4A) and 128 (C128A), which DeepSeek-V4.1 "
+    "does not have: generic checks of the DCP primitives",
     "stage_value_empty": "DSV41_DCP_STAGE set to the empty string (which means unset)",
     "stage_value_not_integer": "DSV41_DCP_STAGE set to something that is not a non-negative integer",
 }
@@ -241,7 +241,10 @@ class DcpImplementation(Protocol):
         DSV41_DCP_STAGE < 3, NotImplementedError naming the variable and the
         way out, before any forward and any collective. Options the e2e
         tests pass: ``backend`` ("ag_rs" | "a2a"), ``prefill_gather`` (bool;
-        None = DSV41_DCP_PREFILL_GATHER=1), ``prefill_token_chunk``.
+        None = DSV41_DCP_PREFILL_GATHER=1), ``prefill_token_chunk``, ``stack``
+        (a :class:`dcpcheck.scenarios.topology.StackPosition`: the layer's id
+        in a DSV4.1 topology, for an implementation that builds layers the
+        way the model does; None: a one-layer model).
 
         The layer returned offers:
 
