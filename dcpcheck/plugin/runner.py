@@ -47,6 +47,9 @@ class ThreadedCall:
 WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
 # JUnit property prefix of a case's peak GPU memory, in bytes, per GPU (dcp_gpu_peak_bytes:cuda:0).
 GPU_PEAK_PROPERTY = "dcp_gpu_peak_bytes:"
+# JUnit properties of where a case's time went, for tools/gpu_ci.py's breakdown:
+# the pool it started (RankPool.startup's keys) and the slowest rank's compiles.
+PHASE_PROPERTIES = ("pool_start_s", "cuda_init_s", "group_init_s", "compile_s")
 
 
 class DcpRunner:
@@ -117,6 +120,7 @@ class DcpRunner:
             pytest.fail(f"{self._header_line()}\n{exc}", pytrace=False)
         if result.stop_session:
             self._node.session.shouldstop = result.stop_session
+        self._record_phases(result)  # failed cases too: their pool start and compiles took time alike
         if not result.ok:
             pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
         values = [result.outcomes[rank].value for rank in range(self.world_size)]
@@ -145,6 +149,15 @@ class DcpRunner:
             found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
             if found:
                 self._node.user_properties.append((f"dcp_{key}", max(found)))
+
+    def _record_phases(self, result) -> None:
+        phases = dict(result.pool_startup)
+        compiled = max((o.compile_seconds for o in result.outcomes.values()), default=0.0)
+        if compiled:  # interpreted kernels (CPU) compile nothing
+            phases["compile_s"] = compiled
+        for phase in PHASE_PROPERTIES:
+            if phase in phases:
+                self._node.user_properties.append((f"dcp_{phase}", round(phases[phase], 4)))
 
     def _record_gpu_peaks(self, result) -> None:
         """Per GPU, the sum of its ranks' peaks (they ran at the same time)."""

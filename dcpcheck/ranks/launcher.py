@@ -35,6 +35,8 @@ class CaseResult:
     # Set when no later case can run on these ranks (torchrun: a rank is gone
     # or wedged): the session stops after this test, saying why.
     stop_session: str | None = None
+    # The start-up of the pool this case had to start first (RankPool.startup), else empty.
+    pool_startup: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -73,6 +73,9 @@ class RankPool:
         self.pids: dict[int, int] = {}
         self.exit_codes: dict[int, int] = {}
         self.tmpdir: Path | None = None
+        # Where start() spent its time: pool_start_s (all of it), and the
+        # slowest rank's cuda_init_s and group_init_s.
+        self.startup: dict[str, float] = {}
 
     # ---- life cycle ------------------------------------------------------
     @property
@@ -138,6 +141,7 @@ class RankPool:
             self._handshake(server, started)
         finally:
             server.close()
+        self.startup["pool_start_s"] = time.perf_counter() - started
 
     def _handshake(self, server: socket.socket, started: float) -> None:
         """Each connection names itself as soon as it is accepted: the
@@ -159,7 +163,8 @@ class RankPool:
                 _, rank, pid = message
                 self.conns[rank], self.pids[rank] = conn, pid
         for conn in self.conns.values():
-            self._recv_startup(conn, deadline, ("ready",))
+            for phase, seconds in self._recv_startup(conn, deadline, ("ready",))[3].items():
+                self.startup[phase] = max(seconds, self.startup.get(phase, 0.0))
 
     def _recv_startup(self, conn: Connection, deadline: float, expected: tuple):
         while not conn.poll(0.2):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dcpcheck.ranks import compile_clock
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
 
@@ -52,6 +53,7 @@ class RankOutcome:
     seconds: float = 0.0
     gpu: str | None = None  # the rank's GPU ("cuda:0"), None on CPU
     gpu_peak_bytes: int = 0  # the most the case's allocator held on it at once
+    compile_seconds: float = 0.0  # of ``seconds``, spent compiling Triton kernels (CUDA only)
 
 
 # At most this much of one rank's error text reaches the failure message (a
@@ -129,7 +131,11 @@ def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
 
 
 def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
+    if ctx.device.type == "cuda":  # on CPU the kernels are interpreted: nothing compiles
+        compile_clock.install()
+    compiled_before = compile_clock.seconds()
     outcome = _run(fn, ctx, CaseState(ctx.seed))
+    outcome.compile_seconds = compile_clock.seconds() - compiled_before
     if ctx.device.type == "cuda":
         outcome.gpu, outcome.gpu_peak_bytes = _release_gpu_memory(ctx.device)
     return outcome

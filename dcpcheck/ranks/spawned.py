@@ -27,11 +27,12 @@ class SpawnedRanks:
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
 
-    def _live_pool(self, world_size: int, impl_spec: str) -> RankPool:
-        """The pool for ``world_size``, started when it has none or its ranks died."""
+    def _live_pool(self, world_size: int, impl_spec: str) -> tuple[RankPool, bool]:
+        """-> (the pool for ``world_size``, whether it was started now: it had
+        none or its ranks died)."""
         pool = self.pools.get(world_size)
         if pool is not None and pool.alive:
-            return pool
+            return pool, False
         if pool is not None:
             pool.kill()  # whatever is left of it: the zygote, surviving ranks, the temporary directory
         if world_size in self.start_failures:
@@ -57,14 +58,16 @@ class SpawnedRanks:
             pool.kill()
             del self.pools[world_size]
             raise
-        return pool
+        return pool, True
 
     def run(
         self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
     ) -> CaseResult:
-        pool = self._live_pool(world_size, impl_spec)
+        pool, started = self._live_pool(world_size, impl_spec)
         try:
             result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+            if started:
+                result.pool_startup = dict(pool.startup)
         except BaseException:
             # Ctrl-C (or any error) mid-case: the ranks are still in it, so an
             # orderly stop would wait for them. Kill the pool now.

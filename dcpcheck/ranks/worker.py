@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -44,7 +45,18 @@ def _connect(path: str) -> Connection:
     return Connection(sock.detach())
 
 
-def _init_group(args):
+def _init_cuda(device) -> float:
+    """Create this rank's CUDA context on ``device``: -> the seconds it took."""
+    import torch
+
+    started = time.perf_counter()
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=device)  # the context and the allocator exist from here on
+    return time.perf_counter() - started
+
+
+def _init_group(args, startup: dict):
+    """The rank's DcpGroup; ``startup`` gets the seconds of its CUDA and group set-up."""
     import torch
     import torch.distributed as dist
 
@@ -55,19 +67,20 @@ def _init_group(args):
     store = dist.FileStore(args.store, args.world_size)
     placement = Placement(args.device, args.world_size, args.gpus)
     device = placement.device(args.rank)
+    if device.type == "cuda":  # NCCL or gloo (which moves CUDA tensors itself): kernels run here
+        startup["cuda_init_s"] = _init_cuda(device)
+    started = time.perf_counter()
     if placement.backend == "nccl":
-        torch.cuda.set_device(device)
         dist.init_process_group(
             "nccl", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout, device_id=device
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # gloo moves the CUDA tensors itself; kernels run here
-        else:
+        if device.type == "cpu":
             torch.set_num_threads(1)  # W ranks share few cores: oversubscription costs more than it gives
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout)
         cpu_group = dist.group.WORLD
+    startup["group_init_s"] = time.perf_counter() - started
     return DcpGroup(
         rank_in_group=args.rank,
         world_size=args.world_size,
@@ -171,8 +184,9 @@ def rank_main(args, rank: int) -> int:
 
     conn = _connect(args.socket)
     conn.send(("hello", rank, os.getpid()))
-    group = _init_group(args)
-    conn.send(("ready", args.rank, os.getpid()))
+    startup = {}
+    group = _init_group(args, startup)
+    conn.send(("ready", args.rank, os.getpid(), startup))
     while True:
         try:
             task = conn.recv()
