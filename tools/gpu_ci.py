@@ -1,50 +1,89 @@
 #!/usr/bin/env python3
 """Pre-merge GPU CI: the staged suite on the GPUs of this host.
 
-Runs, in order, one pytest process per step with ``--device cuda`` and
-``--junitxml``: the harness self-tests (spawned pool: failing, stuck and
-killed ranks), stage 1, stage 3, stage 9, end to end, the realistic-shape GPU
-tests of tests/gpu (in one process: their cases need tens of GiB), then the stage tests once more
-under ``torchrun --nproc-per-node <max(GPUs, 2)>``. World sizes above the GPU
-count share GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them
-all. Then it reads the JUnit files and prints a summary (step x stage x W x
-backend x ranks: cases passed / failed / skipped, worst error, peak GPU
-memory), also written to ``<out>/summary.md``; the ranks column says which
-cases ran on NCCL and which on gloo. Exits 1 when a case failed or a step
-broke, 2 when the host has no GPU.
+The suite's steps (harness self-tests, stage 1, stage 3, stage 9, end to end,
+the realistic-shape GPU tests of tests/gpu, then the stage tests under
+``torchrun``) run in a few *sessions*, all at once: one pytest process with
+``--workers`` xdist workers for every pool step (so each worker starts its
+rank pools once, not once per step), and one ``torchrun --nproc-per-node
+<max(GPUs, 2)>`` job. Each session runs with ``--device cuda`` and
+``--junitxml``; world sizes above the GPU count share GPUs over gloo
+(``--gpu-sharing``), so a one-GPU host runs them all.
+
+Then it reads the JUnit files and prints a summary: step x stage x W x
+backend x ranks (cases passed / failed / skipped, worst error, peak GPU
+memory; the ranks column says which cases ran on NCCL and which on gloo), and
+where each step's time went: pool start (of which CUDA context and group
+set-up, the slowest rank), Triton compiles, and the checking itself. It is
+also written to ``<out>/summary.md`` (and ``--report``). Exits 1 when a case
+failed, a session broke or a session's breakdown is missing, 2 when the host
+has no GPU.
 
     python tools/gpu_ci.py --out gpu-ci            # on a GPU host, from the repo root
+    python tools/gpu_ci.py --device cpu --steps stage1 --out gpu-ci-dry   # the driver's dry run
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
-from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
+from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES
 
 REPO = Path(__file__).resolve().parents[1]
-
-# (step, test paths) in run order, each under --workers xdist workers.
-POOL_STEPS = (
-    ("harness", ("tests/selftest",)),
-    ("stage1", ("tests/stage1_index",)),
-    ("stage3", ("tests/stage3_combine",)),
-    ("stage9", ("tests/stage9_prefill",)),
-    ("e2e", ("tests/e2e",)),
-)
-# The realistic-shape GPU tests run in one process: one case needs up to tens
-# of GiB, and the ranks of concurrent xdist workers would share that memory.
-SERIAL_STEPS = (("realistic", ("tests/gpu/test_*.py",)),)
-TORCHRUN_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
+
+
+@dataclass(frozen=True)
+class Step:
+    """A named set of test paths (globs relative to the repo): the summary's
+    unit. Its cases are told apart from other steps' by their test files."""
+
+    name: str
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Session:
+    """One pytest process (or one torchrun job) running some steps' tests.
+    ``extra_args`` and ``env`` are its own (e.g. another ``--dcp-impl``)."""
+
+    name: str
+    steps: tuple[Step, ...]
+    torchrun: bool = False
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+# The longest files go first within the pool session (pytest-xdist hands
+# files to workers in this order): the realistic cases, then the self-tests
+# that wait on inner sessions, so the short stage files fill in around them.
+POOL_STEPS = (
+    Step("realistic", ("tests/gpu/test_*.py",)),
+    Step("harness", ("tests/selftest",)),
+    Step("e2e", ("tests/e2e",)),
+    Step("stage3", ("tests/stage3_combine",)),
+    Step("stage9", ("tests/stage9_prefill",)),
+    Step("stage1", ("tests/stage1_index",)),
+)
+TORCHRUN_STEP = Step(
+    "torchrun", ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
+)
+SESSIONS = (
+    Session("pool", POOL_STEPS),
+    Session("torchrun", (TORCHRUN_STEP,), torchrun=True),
+)
+STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
 
 
 def expand(patterns) -> list[str]:
@@ -55,31 +94,75 @@ def expand(patterns) -> list[str]:
     return found
 
 
-def pytest_args(args, paths: list[str], junit: Path, *, workers: int = 0) -> list[str]:
-    return [
+def default_workers(gpus: int, cores: int) -> int:
+    """xdist workers for the pool session: each starts a pool per world size
+    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 4 per GPU,
+    and 4 cores each for the host-side work of its ranks; 8 at most."""
+    return max(1, min(8, 4 * max(gpus, 1), cores // 4))
+
+
+def _xdist_keeps_order() -> list[str]:
+    """pytest-xdist >= 3.7 reorders files by test count unless told not to."""
+    try:
+        major, minor = (int(part) for part in metadata.version("pytest-xdist").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return []
+    return ["--no-loadscope-reorder"] if (major, minor) >= (3, 7) else []
+
+
+def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus: int) -> list[str]:
+    pytest = [
         "-m", "pytest", *paths, "-q", "-rfE", "-p", "no:cacheprovider",
-        # loadfile: a test file stays on one xdist worker, whose ranks then
-        # build each shared realistic scenario once.
-        *(["-n", str(workers), "--dist", "loadfile"] if workers else []),
         "--device", args.device, "--dcp-timeout", str(args.dcp_timeout), "--junitxml", str(junit),
         *(["--world-sizes", args.world_sizes] if args.world_sizes else []),
-        *args.pytest_args,
+        *(["-x"] if args.fail_fast else []), *session.extra_args, *args.pytest_args,
     ]  # fmt: skip
+    if session.torchrun:
+        ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
+    if args.workers > 1:
+        # loadfile: a test file stays on one xdist worker, whose ranks then
+        # build each shared realistic scenario once.
+        pytest += ["-n", str(args.workers), "--dist", "loadfile", *_xdist_keeps_order()]
+    return [sys.executable, *pytest]
 
 
-def run_step(name: str, argv: list[str], out: Path) -> tuple[int, float]:
-    """Run one step, its output both on stdout and in ``<out>/<name>.log``."""
-    print(f"\n=== {name}: {' '.join(argv)}", flush=True)
+@dataclass
+class SessionRun:
+    name: str
+    argv: list[str]
+    env: dict
+    code: int | None = None
+    seconds: float = 0.0
+
+
+def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
+    """Run one session, its output on stdout (prefixed with its name) and in ``<out>/<name>.log``."""
+    with lock:
+        print(f"\n=== {run.name}: {' '.join(run.argv)}", flush=True)
     started = time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(out / f"{run.name}.log", "w") as log:
+        proc = subprocess.Popen(
+            run.argv, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for line in proc.stdout:
-            sys.stdout.write(line)
             log.write(line)
-        code = proc.wait()
-    seconds = time.perf_counter() - started
-    print(f"=== {name}: exit {code} in {seconds:.1f} s", flush=True)
-    return code, seconds
+            with lock:
+                sys.stdout.write(f"[{run.name}] {line}")
+        run.code = proc.wait()
+    run.seconds = time.perf_counter() - started
+    with lock:
+        print(f"=== {run.name}: exit {run.code} in {run.seconds:.1f} s", flush=True)
+
+
+def run_sessions(runs: list[SessionRun], out: Path) -> None:
+    """Every session at once: they share the GPUs and the cores."""
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_stream, args=(run, out, lock)) for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 # ---- the summary ------------------------------------------------------------
@@ -95,6 +178,20 @@ class Row:
     gpu_peak_bytes: int = 0
 
 
+@dataclass
+class Phases:
+    """Where one step's time went, summed over its cases (which run in
+    several xdist workers at once: the sums exceed the wall time)."""
+
+    cases: int = 0
+    seconds: float = 0.0  # the cases' own durations (JUnit), pool starts and compiles included
+    totals: dict = field(default_factory=lambda: dict.fromkeys(PHASE_PROPERTIES, 0.0))
+
+    @property
+    def checking(self) -> float:
+        return self.seconds - self.totals["pool_start_s"] - self.totals["compile_s"]
+
+
 def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str, str]:
     """(step, stage, W, backend, ranks) of a JUnit testcase, from the
     properties the plugin records, else from the test id (skipped cases have
@@ -106,12 +203,33 @@ def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str, str]:
     return step, props.get("dcp_stage", "harness"), world, backend, props.get("dcp_ranks", "-")
 
 
-def summarize(junit_files: dict[str, Path]) -> dict[tuple, Row]:
+def step_of(case: ET.Element, step_paths: dict[str, list[str]]) -> str | None:
+    """The step whose test paths hold this JUnit testcase (by its dotted classname)."""
+    classname = case.get("classname", "")
+    for step, paths in step_paths.items():
+        for path in paths:
+            module = path.removesuffix(".py").replace("/", ".")
+            if classname == module or classname.startswith(module + "."):
+                return step
+    return None
+
+
+def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple, Row], dict[str, Phases]]:
+    """-> (summary rows, per-step phases) of the JUnit files, each with the
+    paths of the steps it ran."""
     rows: dict[tuple, Row] = defaultdict(Row)
-    for step, path in junit_files.items():
+    phases: dict[str, Phases] = defaultdict(Phases)
+    for path, step_paths in junit_files.items():
         if not path.exists():
             continue
         for case in ET.parse(path).iter("testcase"):
+            step = step_of(case, step_paths) or next(iter(step_paths))
+            props = {p.get("name"): p.get("value") for p in case.iter("property")}
+            step_phases = phases[step]
+            step_phases.cases += 1
+            step_phases.seconds += float(case.get("time") or 0.0)
+            for phase in PHASE_PROPERTIES:
+                step_phases.totals[phase] += float(props.get(f"dcp_{phase}", 0.0))
             row = rows[case_key(step, case)]
             if case.find("failure") is not None or case.find("error") is not None:
                 row.failed += 1
@@ -119,34 +237,45 @@ def summarize(junit_files: dict[str, Path]) -> dict[tuple, Row]:
                 row.skipped += 1
             else:
                 row.passed += 1
-                props = {p.get("name"): p.get("value") for p in case.iter("property")}
                 if "dcp_worst_ratio" in props:
                     row.worst_ratios.append(float(props["dcp_worst_ratio"]))
                 if "dcp_max_abs_err" in props:
                     row.max_abs_errs.append(float(props["dcp_max_abs_err"]))
                 peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
                 row.gpu_peak_bytes = max([row.gpu_peak_bytes, *peaks])
-    return rows
+    return rows, phases
 
 
-def render(rows: dict[tuple, Row], timings: dict[str, tuple[int, float]]) -> str:
-    """A markdown table: one line per (step, stage, W, backend)."""
+def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, ran_cases: bool) -> str | None:
+    """Why the session's per-phase breakdown is missing, else None: a pool
+    session that ran multi-rank cases must have timed its pool starts (and,
+    on CUDA, the ranks' CUDA contexts)."""
+    if session.torchrun or not ran_cases:
+        return None
+    totals = {
+        phase: sum(phases[s.name].totals[phase] for s in session.steps if s.name in phases)
+        for phase in PHASE_PROPERTIES
+    }
+    needed = ("pool_start_s", "cuda_init_s") if device == "cuda" else ("pool_start_s",)
+    absent = [phase for phase in needed if totals[phase] <= 0]
+    if absent:
+        return f"session {session.name}: no {', '.join(absent)} recorded by any case (JUnit properties dcp_<phase>)"
+    return None
+
+
+def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[SessionRun], order: list[str]) -> str:
+    """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went."""
     lines = [
         "| step | stage | W | backend | ranks | cases | passed | failed | skipped | worst err/tol | max abs err "
         "| peak GPU GiB |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def order(key):
+    def key_order(key):
         step, stage, world, backend, _ = key
-        return (
-            list(timings).index(step) if step in timings else 99,
-            stage,
-            int(world) if world.isdigit() else 0,
-            backend,
-        )
+        return (order.index(step) if step in order else 99, stage, int(world) if world.isdigit() else 0, backend)
 
-    for key in sorted(rows, key=order):
+    for key in sorted(rows, key=key_order):
         row = rows[key]
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
@@ -156,8 +285,23 @@ def render(rows: dict[tuple, Row], timings: dict[str, tuple[int, float]]) -> str
             f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} "
             f"| {peak} |"
         )
-    lines += ["", "| step | exit | seconds |", "|---|---:|---:|"]
-    lines += [f"| {step} | {code} | {seconds:.1f} |" for step, (code, seconds) in timings.items()]
+    lines += ["", "| session | exit | wall s |", "|---|---:|---:|"]
+    lines += [f"| {run.name} | {run.code} | {run.seconds:.1f} |" for run in runs]
+    lines += [
+        "",
+        "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
+        "and group init (the slowest rank of each start); checking = case seconds - pool start - compile.",
+        "",
+        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for step in sorted(phases, key=lambda s: order.index(s) if s in order else 99):
+        p = phases[step]
+        t = p.totals
+        lines.append(
+            f"| {step} | {p.cases} | {p.seconds:.1f} | {t['pool_start_s']:.1f} | {t['cuda_init_s']:.1f} "
+            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -173,18 +317,29 @@ def gpu_count() -> int:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-ci"), help="folder for JUnit XML, logs and summary.md")
+    parser.add_argument(
+        "--report", type=Path, default=None, help="also write the summary here (e.g. reports/gpu_ci.md)"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the driver itself")
     parser.add_argument("--world-sizes", default=None, help="passed to pytest (default: the plugin's, 1,2,4,8 on CUDA)")
     parser.add_argument("--dcp-timeout", type=float, default=60.0, help="seconds one multi-rank case may take")
+    parser.add_argument("--steps", default=None, help="comma-separated subset of: " + ",".join(STEP_NAMES))
     parser.add_argument(
-        "--steps",
+        "--workers",
+        type=int,
         default=None,
-        help="comma-separated subset of: " + ",".join(s for s, _ in POOL_STEPS + SERIAL_STEPS) + ",torchrun",
+        help="pytest-xdist workers of the pool session (default: by GPUs and cores, see default_workers; 0 or 1: none)",
     )
-    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per pool step (0: none)")
-    parser.add_argument("--fail-fast", action="store_true", help="stop after the first step with a failure")
+    parser.add_argument("--fail-fast", action="store_true", help="each session stops after its first failure (-x)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps is not None:
+        unknown = sorted(set(args.steps.split(",")) - set(STEP_NAMES))
+        if unknown:
+            parser.error(f"--steps: unknown {', '.join(unknown)}; accepted: {', '.join(STEP_NAMES)}")
+    if args.workers is not None and args.workers < 0:
+        parser.error(f"--workers {args.workers}: accepted: 0 or 1 (no xdist), or more")
+    return args
 
 
 def main(argv=None) -> int:
@@ -193,39 +348,52 @@ def main(argv=None) -> int:
     if args.device == "cuda" and gpus == 0:
         print("gpu_ci: no CUDA device visible; run it on a GPU host (or --device cpu for a dry run)", file=sys.stderr)
         return 2
-    wanted = set(args.steps.split(",")) if args.steps else None
+    cores = os.cpu_count() or 1
+    if args.workers is None:
+        args.workers = default_workers(gpus, cores)
+    wanted = set(args.steps.split(",")) if args.steps else set(STEP_NAMES)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
 
-    steps = [
-        (name, pytest_args(args, expand(paths), out / f"{name}.xml", workers=args.workers))
-        for name, paths in POOL_STEPS
-        if expand(paths)
-    ]
-    steps += [(name, pytest_args(args, expand(paths), out / f"{name}.xml")) for name, paths in SERIAL_STEPS]
-    ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    steps.append(("torchrun", torchrun + pytest_args(args, expand(TORCHRUN_PATHS), out / "torchrun.xml")))
-
-    timings: dict[str, tuple[int, float]] = {}
-    broken = False
-    for name, step_args in steps:
-        if wanted is not None and name not in wanted:
+    runs, junit_files, sessions = [], {}, []
+    for session in SESSIONS:
+        step_paths = {s.name: expand(s.paths) for s in session.steps if s.name in wanted and expand(s.paths)}
+        if not step_paths:
             continue
-        code, seconds = run_step(name, [sys.executable, *step_args], out)
-        timings[name] = (code, seconds)
-        broken |= code not in (0, PYTEST_NO_TESTS)
-        if broken and args.fail_fast:
-            break
+        paths = [path for step in step_paths.values() for path in step]
+        junit = out / f"{session.name}.xml"
+        junit.unlink(missing_ok=True)
+        argv_ = session_argv(args, session, paths, junit, gpus=gpus)
+        runs.append(SessionRun(session.name, argv_, {**os.environ, **dict(session.env)}))
+        junit_files[junit] = step_paths
+        sessions.append(session)
 
-    rows = summarize({name: out / f"{name}.xml" for name in timings})
-    table = render(rows, timings)
-    total = sum(seconds for _, seconds in timings.values())
-    header = f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} total {total:.1f} s\n\n"
-    (out / "summary.md").write_text(header + table + "\n")
-    print("\n" + header + table)
-    failed = broken or any(row.failed for row in rows.values())
-    print(f"\ngpu_ci: {'FAILED' if failed else 'passed'} (JUnit XML, logs and summary.md in {out})")
+    started = time.perf_counter()
+    run_sessions(runs, out)
+    wall = time.perf_counter() - started
+
+    rows, phases = summarize(junit_files)
+    order = [step for session in sessions for step in (s.name for s in session.steps)]
+    problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
+    for session in sessions:
+        ran = any(phases[s.name].cases for s in session.steps if s.name in phases)
+        problem = missing_breakdown(session, phases, args.device, ran)
+        if problem:
+            problems.append(problem)
+    header = (
+        f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} cores={cores} pool workers={args.workers} "
+        f"wall {wall:.1f} s\n\n"
+    )
+    summary = header + render(rows, phases, runs, order) + "\n"
+    (out / "summary.md").write_text(summary)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(summary)
+    print("\n" + summary)
+    failed = bool(problems) or any(row.failed for row in rows.values())
+    for problem in problems:
+        print(f"gpu_ci: {problem}")
+    print(f"gpu_ci: {'FAILED' if failed else 'passed'} (JUnit XML, logs and summary.md in {out})")
     return 1 if failed else 0
 
 
