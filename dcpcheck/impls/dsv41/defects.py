@@ -18,11 +18,6 @@ STALE_INDEX_CACHE = (
     "first one's slots; docs/dsv41.md, defect 2"
 )
 
-STEP_CACHE_ONE_GROUP = (
-    "seed DCP2 port: _dcp_prefill_gather's per-step cache holds one metadata object "
-    "('if cache[\"meta\"] is not attn_metadata:' resets kv, idx and geom), so a layer of another KV group in "
-    "between empties it and the kv source's pages are all-gathered again in the same step; docs/dsv41.md, defect 4"
-)
 STAGE_VALUE_EMPTY = (
     'seed DCP2 port: the builder gate reads \'int(os.environ.get("DSV41_DCP_STAGE", "3"))\', so '
     "DSV41_DCP_STAGE= (empty: unset) crashes the boot with ValueError: invalid literal for int(); "
@@ -43,8 +38,6 @@ def port_defect(terms) -> str | None:
         reasons.append(INTERLEAVE_UNIT)
     if "adjacent_index_sources" in terms.properties:
         reasons.append(STALE_INDEX_CACHE)
-    if "kv_source_after_other_group" in terms.properties:
-        reasons.append(STEP_CACHE_ONE_GROUP)
     if "stage_value_empty" in terms.properties:
         reasons.append(STAGE_VALUE_EMPTY)
     if "stage_value_not_integer" in terms.properties:

@@ -49,6 +49,20 @@ def _compact_prefix(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.gather(slots, 1, order).to(torch.int32), valid.sum(dim=1, dtype=torch.int32)
 
 
+def check_sources_agree(layer, stack) -> None:
+    """The tree's kv and index source of a layer are the suite's (dcpcheck.scenarios.topology)."""
+    layer_id = stack.layer_id
+    for what, tree_source, suite_source in (
+        ("kv", layer.kv_source_layer_id, stack.topology.kv_source(layer_id)),
+        ("index", layer.index_source_layer_id, stack.topology.index_source(layer_id)),
+    ):
+        if tree_source != suite_source:
+            raise ValueError(
+                f"layer {layer_id} of {stack.topology}: the tree's DeepseekV4Attention.__init__ gives it {what} "
+                f"source {tree_source}, dcpcheck's model of DSV4.1 (dcpcheck/scenarios/topology.py) {suite_source}"
+            )
+
+
 class PortAttention:
     """What ``build_attention`` returns for the dsv41 implementation: one
     attention layer of the stack, backed by the tree's real layer."""
@@ -64,8 +78,10 @@ class PortAttention:
         prefill_gather,
         prefill_token_chunk,
         max_model_len,
+        stack=None,
     ):
         self.impl = impl
+        self.stack = stack
         self.group = group
         self.rho, self.bs, self.interleave, self.world_size = (
             layout.rho,
@@ -207,6 +223,7 @@ class PortAttention:
                 topk_buffer=self.impl.topk_buffer(self.group.device),
                 max_num_batched_tokens=self.impl.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                topology=None if self.stack is None else self.stack.topology,
             )
             self._layer, _ = build_port_layer(
                 self.impl.tree,
@@ -216,6 +233,8 @@ class PortAttention:
                 prefill_token_chunk=self.prefill_token_chunk,
                 prefill_gather=self.prefill_gather,
             )
+            if self.stack is not None:
+                check_sources_agree(self._layer, self.stack)
             self._sink = sink.clone()
         elif not torch.equal(sink, self._sink):
             raise ValueError("the dsv41 layer's sink is a weight: it cannot change between forwards")
@@ -255,7 +274,9 @@ class PortAttention:
         layer = self._port_layer(q, sink)
         order = plan.order
         rows = order.numel()
-        if self.rho >= 1:
+        if self.rho >= 1 and layer.is_index_source:
+            # Only an index source's indexer writes the model-wide buffer; the
+            # other layers read what the latest index source below them left.
             buffer = layer.topk_indices_buffer
             width = padded_topk_width(topk.shape[1])
             if width > buffer.shape[1]:

@@ -2,14 +2,18 @@
 driven the way vLLM's model runner drives it.
 
 Building: the layer's own ``__init__`` runs (its DCP block: head checks, the
-DCP group, the combine switch, ``CPTritonContext``) on top of a weightless
-stand-in for ``DeepseekV4Attention.__init__``, which cannot run without CUDA
-and checkpoint shapes. The stand-in sets what that base class (and the DCP2
-stack's version of it) gives the layer: heads, head dim, window, compress
-ratio, the padded sink, ``dcp_world_size`` / ``dcp_rank`` /
-``cp_kv_cache_interleave_size`` (in tokens, vLLM's unit) and the model-wide
-``topk_indices_buffer``. The metadata builder's ``__init__`` (the stage gate)
-runs the same way.
+DCP group, the combine switch, ``CPTritonContext``) on top of
+``DeepseekV4Attention.__init__`` cut short: the tree's own code runs up to
+the attention sink, so the layer's compress ratio (and the tree's check of
+it), its kv and index sources and its heads are the tree's, read from a
+DSV4.1 config (:mod:`dcpcheck.scenarios.topology`); where it would build
+weights and CUDA events, which cannot run without CUDA and checkpoint
+shapes, a weightless rest sets what that base class (and the DCP2 stack's
+version of it) gives the layer: the padded sink, ``dcp_world_size`` /
+``dcp_rank`` / ``cp_kv_cache_interleave_size`` (in tokens, vLLM's unit), the
+model-wide ``topk_indices_buffer`` and the compressed cache's prefix (the
+tree's ``_replace_layer_index``). The metadata builder's ``__init__`` (the
+stage gate) runs on a weightless base.
 
 Driving (:class:`PortAttention`): per step and KV layout one metadata pair,
 shared by every layer of the layout, as vLLM shares it per KV group:
@@ -32,12 +36,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import types
 
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
+from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
 from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
@@ -56,6 +61,7 @@ def _config(
     interleave_tokens: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    hf_config=None,
 ):
     """The fields of a VllmConfig the port and its builder read."""
     ns = types.SimpleNamespace
@@ -63,12 +69,83 @@ def _config(
         parallel_config=ns(
             decode_context_parallel_size=world_size,
             cp_kv_cache_interleave_size=interleave_tokens,
+            prefill_context_parallel_size=1,
         ),
         attention_config=ns(use_non_causal=False),
         speculative_config=None,
         scheduler_config=ns(max_num_batched_tokens=max_num_batched_tokens),
-        model_config=ns(max_model_len=max_model_len),
+        model_config=ns(max_model_len=max_model_len, hf_config=hf_config),
+        quant_config=None,
+        cache_config=None,
     )
+
+
+def _hf_config(topology, *, local_heads: int, head_dim: int, window: int):
+    """The fields of a DSV4.1 HF config that ``DeepseekV4Attention.__init__`` reads before its weights."""
+    return types.SimpleNamespace(
+        compress_ratios=list(topology.compress_ratios),
+        kv_source_layer_ids=list(topology.kv_source_layer_ids),
+        index_source_layer_ids=list(topology.index_source_layer_ids),
+        num_hidden_layers=len(topology.compress_ratios),
+        num_attention_heads=local_heads,  # tensor parallel size 1: every head of the config is local
+        hidden_size=local_heads * head_dim,
+        q_lora_rank=1,
+        o_lora_rank=1,
+        head_dim=head_dim,
+        qk_rope_head_dim=0,
+        o_groups=1,
+        sliding_window=window,
+        rms_norm_eps=1e-6,
+    )
+
+
+class _WeightsReached(Exception):
+    """Raised where the tree's ``DeepseekV4Attention.__init__`` starts on the attention sink: what
+    it computed before (heads, compress ratio, kv and index sources) is the tree's topology."""
+
+
+def _stop_at_weights(*args, **kwargs):
+    raise _WeightsReached
+
+
+def _attention_base(cls):
+    return next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
+
+
+def _run_tree_init_head(tree_init, layer, vllm_config, prefix: str, topk_indices_buffer) -> None:
+    """The tree's ``DeepseekV4Attention.__init__`` on ``layer``, up to the attention sink."""
+    base_module = sys.modules[tree_init.__module__]
+    with patched(base_module, get_tensor_model_parallel_world_size=lambda: 1, make_attention_sink=_stop_at_weights):
+        try:
+            tree_init(layer, vllm_config, prefix, topk_indices_buffer)
+        except _WeightsReached:
+            return
+    raise PortSpecError(
+        f"{tree_init.__module__}.DeepseekV4Attention.__init__ never called make_attention_sink: dcpcheck reads "
+        "the layer's topology from the code before it and cannot build this tree's layer weightless"
+    )
+
+
+def tree_refusal(tree: PortTree, rho: int) -> str | None:
+    """What the tree's ``DeepseekV4Attention.__init__`` says of a layer of compress ratio ``rho``
+    (its own kv and index source), or None if it takes it."""
+    cls = getattr(tree.module({}), tree.spec.cls)
+    sources = (0,) if rho else ()
+    topology = types.SimpleNamespace(
+        compress_ratios=(rho,), kv_source_layer_ids=sources, index_source_layer_ids=sources
+    )
+    config = _config(
+        world_size=1,
+        interleave_tokens=1,
+        max_num_batched_tokens=1,
+        max_model_len=1,
+        hf_config=_hf_config(topology, local_heads=8, head_dim=64, window=8),
+    )
+    try:
+        _run_tree_init_head(_attention_base(cls).__init__, cls.__new__(cls), config, "model.layers.0.attn", None)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
@@ -91,7 +168,10 @@ def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
 
 
 class LayerSpec:
-    """What the weightless base ``__init__`` gives one layer."""
+    """What the weightless base ``__init__`` gives one layer. ``topology``: the
+    DSV4.1 config (``compress_ratios``, ``kv_source_layer_ids``,
+    ``index_source_layer_ids``) the layer ``layer_id`` belongs to; None: a
+    model of that one layer, its own kv and index source."""
 
     def __init__(
         self,
@@ -109,9 +189,16 @@ class LayerSpec:
         topk_buffer,
         max_num_batched_tokens,
         max_model_len,
+        topology=None,
     ):
         self.__dict__.update(locals())
         del self.__dict__["self"]
+        if topology is None:
+            sources = (0,) if rho else ()
+            self.layer_id = 0
+            self.topology = types.SimpleNamespace(
+                compress_ratios=(rho,), kv_source_layer_ids=sources, index_source_layer_ids=sources
+            )
 
 
 def build_port_layer(
@@ -123,34 +210,29 @@ def build_port_layer(
     prefill_token_chunk: int | None,
     prefill_gather: bool | None = None,
 ):
-    """The tree's attention class, its own ``__init__`` run on a weightless base.
-    ``prefill_gather`` picks the module imported with DSV41_DCP_PREFILL_GATHER=1 or 0."""
+    """The tree's attention class, its own ``__init__`` run on the tree's
+    ``DeepseekV4Attention.__init__`` cut short at the weights. ``prefill_gather``
+    picks the module imported with DSV41_DCP_PREFILL_GATHER=1 or 0. A compress
+    ratio or topology the tree refuses raises its ValueError."""
     overrides = {COMBINE_ENV: backend}
     if prefill_gather is not None:
         overrides[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
     module = tree.module(dict(os.environ, **overrides))
     cls = getattr(module, tree.spec.cls)
-    base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
+    base = _attention_base(cls)
+    base_module = sys.modules[base.__module__]
+    tree_init = base.__init__
     interleave_tokens = spec.interleave * max(spec.rho, 1)
     config = _config(
         world_size=spec.world_size,
         interleave_tokens=interleave_tokens,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_model_len=spec.max_model_len,
+        hf_config=_hf_config(spec.topology, local_heads=spec.local_heads, head_dim=spec.head_dim, window=spec.window),
     )
 
     def weightless_init(self, vllm_config, prefix, topk_indices_buffer=None, **kwargs):
-        torch.nn.Module.__init__(self)
-        self.vllm_config = vllm_config
-        self.prefix = prefix
-        self.layer_id = spec.layer_id
-        self.n_local_heads = spec.local_heads
-        self.n_heads = spec.local_heads * spec.world_size
-        self.head_dim = spec.head_dim
-        self.window_size = spec.window
-        self.compress_ratio = spec.rho
-        self.scale = spec.head_dim**-0.5
-        self.padded_heads = self.get_padded_num_q_heads(self.n_local_heads)
+        _run_tree_init_head(tree_init, self, vllm_config, prefix, topk_indices_buffer)
         sink = torch.full((self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device)
         sink[: spec.local_heads] = spec.sink.float()
         self.attn_sink = torch.nn.Parameter(sink, requires_grad=False)
@@ -159,8 +241,10 @@ def build_port_layer(
         self.max_model_len = vllm_config.model_config.max_model_len
         self.kv_cache_torch_dtype = torch.bfloat16
         self._o_proj_block_size = 128
-        self.compressed_cache_prefix = None if spec.rho == 0 else prefix
-        self.swa_cache_layer = types.SimpleNamespace(kv_cache=None, prefix=f"{prefix}.swa")
+        self.compressed_cache_prefix = (
+            None if self.compress_ratio == 0 else base_module._replace_layer_index(prefix, self.kv_source_layer_id)
+        )
+        self.swa_cache_layer = types.SimpleNamespace(kv_cache=None, prefix=f"{prefix}.swa_cache")
         # What the DCP2 stack's base class adds (vLLM's own units).
         self.dcp_world_size = group.world_size
         self.dcp_rank = group.rank_in_group
