@@ -65,6 +65,12 @@ SCENARIO_PROPERTIES: dict[str, str] = {
 }
 
 
+# How a known defect that lives in a library the implementation calls, at call
+# sites the implementation never produces, begins: the stage table counts such
+# expected failures on a line of their own, apart from the implementation's.
+NOT_ON_PORT_PATH = "vLLM function, not on the port's path"
+
+
 @dataclass(frozen=True)
 class CaseTerms:
     """A case in the contract's terms, as the harness hands it to

@@ -64,6 +64,7 @@ class KnownDefect:
     """A vLLM defect in ``capability``: every case that calls it and whose
     terms ``applies`` accepts fails, and no other case does."""
 
+    name: str  # how other implementations built on vLLM's functions refer to it
     capability: str
     applies: Callable[[CaseTerms], bool]
     reason: str  # one line; the cause, with vLLM's files and lines, is in docs/vllm.md
@@ -78,23 +79,27 @@ _FP32_LSE_ROUNDING_CASES = frozenset({(2, 2.0), (4, 2.0), (8, 2.0), (8, math.e)}
 KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
     "0.33.0": (
         KnownDefect(
+            name="short_table_write",
             capability="slot_mapping",
             applies=lambda terms: "short_table" in terms.properties,
             reason="the write side gives a slot to a state whose page is cut from a short block-table row, "
             "which the read side drops (docs/vllm.md, known defect 1)",
         ),
         KnownDefect(
+            name="ag_rs_single_rank",
             capability="combine",
             applies=lambda terms: terms.world_size == 1 and terms.backend == "ag_rs",
             reason="cp_lse_ag_out_rs crashes at W=1: too many values to unpack (docs/vllm.md, known defect 2)",
         ),
         KnownDefect(
+            name="finite_empty_band",
             capability="combine",
             applies=lambda terms: terms.world_size > 1 and "garbage_under_sentinel" in terms.properties,
             reason="the combine kernels give finite empty-band LSEs (-1e30, -1e29, -FLT_MAX) weight, so the "
             "garbage under them is summed (docs/vllm.md, known defect 3)",
         ),
         KnownDefect(
+            name="fp32_rounded_lse",
             capability="combine",
             applies=lambda terms: (
                 terms.dtype == torch.float32
@@ -105,6 +110,7 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             "at |LSE| ~ 150 (docs/vllm.md, known defect 4)",
         ),
         KnownDefect(
+            name="ag_rs_16bit_rescale",
             capability="combine",
             applies=lambda terms: (
                 terms.world_size > 1 and terms.backend == "ag_rs" and "rounded_once" in terms.properties
@@ -289,12 +295,16 @@ class VllmImplementation:
         """The known defects of this vLLM release that make this case fail,
         joined; None when none applies (or the release is not in
         ``KNOWN_DEFECTS``)."""
-        reasons = [
-            defect.reason
+        reasons = [defect.reason for defect in self.matching_defects(terms)]
+        return f"vllm {self.version}: " + "; and ".join(reasons) if reasons else None
+
+    def matching_defects(self, terms: CaseTerms) -> list[KnownDefect]:
+        """The known defects of this vLLM release that make this case fail."""
+        return [
+            defect
             for defect in KNOWN_DEFECTS.get(self.version, ())
             if defect.capability in terms.capabilities and defect.applies(terms)
         ]
-        return f"vllm {self.version}: " + "; and ".join(reasons) if reasons else None
 
 
 class _PositionRuns:

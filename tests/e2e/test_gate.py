@@ -17,13 +17,14 @@ from dcpcheck.compare import MismatchError
 from dcpcheck.scenarios.layers import LayerLayout
 from dcpcheck.spies import environment, spy_on_collectives
 from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
-from tests.e2e.test_serving_trace import check_serving_trace
+from tests.e2e.test_serving_trace import DSV41_TOPOLOGY, check_serving_trace
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("build_attention")]
 
 STAGES_BELOW_COMBINE = ("0", "1", "2")
 STAGES_FROM_COMBINE = ("3", "9", None)  # None: unset, every stage
-VALID_LAYOUTS = {"C4A": (4, 8, 2), "C128A": (128, 2, 1), "SWA only": (0, 1, 1)}  # rho, bs, S
+# DSV4.1's layer kinds (rho, bs, S): a 2-token interleave on 16-token pages.
+VALID_LAYOUTS = {"ratio 2": (2, 8, 1), "ratio 1": (1, 16, 2), "SWA only": (0, 1, 1)}
 # A way out is either reaching the stage or leaving DCP; real ports word it
 # their own way ("unset it", "--decode-context-parallel-size 1"): any one will do.
 WAY_OUT = (
@@ -79,8 +80,8 @@ def check_layout_checked_first(ctx):
     """A layout the port cannot run is reported as a layout error even below
     stage 3 (the gate runs once the layout is known)."""
     invalid = {
-        "bs % S != 0": LayerLayout(rho=4, bs=6, interleave=4, world_size=ctx.world_size),
-        "layout for another W": LayerLayout(rho=4, bs=8, interleave=2, world_size=ctx.world_size + 1),
+        "bs % S != 0": LayerLayout(rho=2, bs=6, interleave=4, world_size=ctx.world_size),
+        "layout for another W": LayerLayout(rho=2, bs=8, interleave=1, world_size=ctx.world_size + 1),
     }
     for what, layout in invalid.items():
         outcome, via_group, direct = build_counting_collectives(ctx, layout, "2")
@@ -129,7 +130,9 @@ def check_single_rank_at_any_stage(ctx):
                     f"build_attention raised {outcome!r}"
                 )
     with environment(STAGE_ENV, "0"):
-        return check_serving_trace(ctx, backend="ag_rs", prefill_gather=False)
+        return check_serving_trace(
+            ctx, backend="ag_rs", prefill_gather=False, topology=DSV41_TOPOLOGY, interleave_tokens=2
+        )
 
 
 @pytest.mark.world_sizes(1)

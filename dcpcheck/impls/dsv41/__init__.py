@@ -25,7 +25,7 @@ import torch
 
 from dcpcheck.impls.conventions import Conventions
 from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.defects import port_defect
+from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.layer import (
     TOPK_TILE,
@@ -227,9 +227,10 @@ class Dsv41Implementation:
         return self._ratio_refusals[rho]
 
     def known_defect(self, terms):
-        """vLLM's own defects (the write side and the combine are the tree's), then the port's."""
-        reasons = [r for r in (self.vllm.known_defect(terms), port_defect(terms)) if r]
-        return " / ".join(reasons) or None
+        """The port's own defects first, then vLLM's (the write side and the combine are the tree's), told by reach."""
+        own = port_defect(terms)
+        inherited = inherited_defect(self.vllm.matching_defects(terms))
+        return " / ".join(reason for reason in (own, inherited) if reason) or None
 
 
 class _FilterGroup:

@@ -1,7 +1,23 @@
 """Known defects of the seed DCP2 port, keyed on contract terms; each reason
-names the seed line and points at docs/dsv41.md."""
+names the seed line and points at docs/dsv41.md. And the reach of vLLM's own
+defects (the port calls vLLM's functions): which of them the port's call sites
+can meet, and why the others cannot."""
 
 from __future__ import annotations
+
+from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
+
+# vLLM 0.33.0's defects (dcpcheck.impls.vllm_adapter.KNOWN_DEFECTS) the port's
+# call sites never meet, each with why; a defect not listed here is on its path.
+OFF_PORT_PATH = {
+    "short_table_write": "vLLM sizes every block-table row for max_model_len "
+    "(v1/worker/gpu_model_runner.py, max_num_blocks_per_req), so no served request has a short row",
+    "ag_rs_single_rank": "the port combines only at dcp_world_size > 1 (_run_sm120_dcp is called under that test)",
+    "finite_empty_band": "DCP rank 0 folds the finite learned sink into every row (_dcp_attn_sink) and the port "
+    "needs unpadded heads, so no row is empty on every rank",
+    "fp32_rounded_lse": "the port's partials are bf16 (_run_sm120_dcp's out_gathered), where the rounding is far "
+    "below one ulp",
+}
 
 INTERLEAVE_UNIT = (
     "seed DCP2 port: the read side passes self.cp_kv_cache_interleave_size (vLLM's unit: tokens) as an "
@@ -43,3 +59,17 @@ def port_defect(terms) -> str | None:
     if "stage_value_not_integer" in terms.properties:
         reasons.append(STAGE_VALUE_NOT_INTEGER)
     return "; and ".join(reasons) or None
+
+
+def inherited_defect(defects) -> str | None:
+    """vLLM's defects a case meets (:class:`dcpcheck.impls.vllm_adapter.KnownDefect`),
+    told by reach: those on the port's path as they are, and when every one is
+    off it, one reason that says so (the stage table counts those apart)."""
+    if not defects:
+        return None
+    on_path = [defect.reason for defect in defects if defect.name not in OFF_PORT_PATH]
+    if on_path:
+        return "vLLM 0.33.0, on the port's path: " + "; and ".join(on_path)
+    return f"{NOT_ON_PORT_PATH}: " + "; and ".join(
+        f"{defect.reason}; unreachable from the port: {OFF_PORT_PATH[defect.name]}" for defect in defects
+    )
