@@ -83,13 +83,22 @@ def visible_gpus(device_type: str) -> int:
     return torch.cuda.device_count()
 
 
+# The longest timeout accepted (about 11.6 days): far below what the platform
+# can wait (threading.TIMEOUT_MAX, a timedelta's days, gloo's milliseconds),
+# with room for the grace periods added to it.
+MAX_TIMEOUT_S = 1e6
+
+
 def _seconds(config, name: str) -> float:
-    """A timeout option's value: a finite number of seconds above 0 (nan,
-    inf, 0 and negatives would make every case fail or none ever end)."""
+    """A timeout option's value: a finite number of seconds above 0 and at most
+    MAX_TIMEOUT_S (nan, inf, 0 and negatives would make every case fail or none
+    ever end; past the maximum, waits overflow)."""
     value = config.getoption(name)
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
         flag = "--" + name.replace("_", "-")
-        raise pytest.UsageError(f"{flag} {value:g}: expected a finite number of seconds above 0, e.g. 60")
+        raise pytest.UsageError(
+            f"{flag} {value:g}: expected a finite number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, e.g. 60"
+        )
     return value
 
 

@@ -60,6 +60,25 @@ CASES = [
     ("timeout inf", ["--dcp-timeout", "inf"], {}, "--dcp-timeout inf: expected a finite number"),
     ("timeout 0", ["--dcp-timeout", "0"], {}, "--dcp-timeout 0: expected a finite number"),
     ("timeout -1", ["--dcp-timeout", "-1"], {}, "--dcp-timeout -1: expected a finite number"),
+    # Past what the platform can wait (threading.TIMEOUT_MAX, a C int of days).
+    (
+        "timeout 1e10",
+        ["--dcp-timeout", "1e10"],
+        {},
+        "--dcp-timeout 1e+10: expected a finite number of seconds above 0 and at most 1e+06",
+    ),
+    (
+        "timeout 1e300",
+        ["--dcp-timeout", "1e300"],
+        {},
+        "--dcp-timeout 1e+300: expected a finite number of seconds above 0 and at most 1e+06",
+    ),
+    (
+        "startup timeout 1e300",
+        ["--dcp-startup-timeout", "1e300"],
+        {},
+        "--dcp-startup-timeout 1e+300: expected a finite number of seconds above 0 and at most 1e+06",
+    ),
     ("startup timeout 0", ["--dcp-startup-timeout", "0"], {}, "--dcp-startup-timeout 0: expected a finite number"),
     ("startup timeout -1", ["--dcp-startup-timeout", "-1"], {}, "--dcp-startup-timeout -1: expected a finite number"),
     (
