@@ -29,12 +29,22 @@ from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process, process_state_letter
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
 from dcpcheck.ranks.reaper import kill_tree
-from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
+from dcpcheck.ranks.worker import STACK_SIGNAL, TASK_STARTED, log_path, stacks_path
 
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
 STOP_WAIT_S = 10.0  # at most, for the ranks to leave their group and exit when asked to
 LOG_TAIL_LINES = 40
+
+
+class RankGoneBeforeCase(Exception):
+    """A rank's process ended before it started the case sent to it: it died
+    between cases (while it waited for this task), so the case did not run
+    there, and a fresh pool can run it."""
+
+    def __init__(self, rank: int, how: str):
+        super().__init__(f"rank {rank} {how}")
+        self.rank, self.how = rank, how
 
 
 def describe_exit(returncode: int) -> str:
@@ -80,8 +90,15 @@ class RankPool:
     # ---- life cycle ------------------------------------------------------
     @property
     def alive(self) -> bool:
+        """No process of the pool has exited, and no rank's connection is
+        readable: between cases a rank sends nothing, so one that is has hung up."""
         self._collect_exits()
-        return self.zygote is not None and self.zygote.poll() is None and not self.exit_codes
+        if self.zygote is None or self.zygote.poll() is not None or self.exit_codes:
+            return False
+        try:
+            return not any(conn.poll(0) for conn in self.conns.values())
+        except OSError:
+            return False
 
     def _log(self, rank: int) -> Path:
         return Path(log_path(str(self.tmpdir), rank))
@@ -146,53 +163,83 @@ class RankPool:
     def _handshake(self, server: socket.socket, started: float) -> None:
         """Each connection names itself as soon as it is accepted: the
         zygote's comes first in practice, and from then on a rank that dies
-        during start-up is reported at once (the zygote reports its exit)."""
-        deadline = started + self.startup_timeout
+        during start-up is reported at once (the zygote reports its exit), and
+        one whose group set-up raises sends its error first."""
         while len(self.conns) < self.world_size or self.zygote_conn is None:
-            self._check_started(deadline, "connect")
+            self._check_started(started, "connect")
             try:
                 sock, _ = server.accept()
             except TimeoutError:
                 continue
             sock.setblocking(True)
             conn = Connection(sock.detach())
-            message = self._recv_startup(conn, deadline, ("zygote", "hello"))
+            message = self._recv_startup(conn, started, "connect")
             if message[0] == "zygote":
                 self.zygote_conn = conn
             else:
                 _, rank, pid = message
                 self.conns[rank], self.pids[rank] = conn, pid
-        for conn in self.conns.values():
-            for phase, seconds in self._recv_startup(conn, deadline, ("ready",))[3].items():
-                self.startup[phase] = max(seconds, self.startup.get(phase, 0.0))
+        waiting = {conn: rank for rank, conn in self.conns.items()}
+        while waiting:  # in whatever order the ranks get ready: one that fails is heard at once
+            self._check_started(started, "ready")
+            for conn in wait(list(waiting), timeout=0.2):
+                message = self._recv_startup(conn, started, "ready", rank=waiting.pop(conn))
+                for phase, seconds in message[3].items():
+                    self.startup[phase] = max(seconds, self.startup.get(phase, 0.0))
 
-    def _recv_startup(self, conn: Connection, deadline: float, expected: tuple):
+    def _recv_startup(self, conn: Connection, started: float, phase: str, rank: int | None = None):
+        expected = ("zygote", "hello") if phase == "connect" else ("ready",)
         while not conn.poll(0.2):
-            self._check_started(deadline, expected[-1])
+            self._check_started(started, phase)
         try:
             message = conn.recv()
-        except EOFError:
-            self._check_started(deadline, expected[-1], force=True)
-            raise
+        except (EOFError, OSError):
+            if rank is None:
+                self._startup_failed(started, phase, ["a pool process closed its connection before naming itself"])
+            self._await_exit(rank)
+            code = self.exit_codes.get(rank)
+            self._startup_failed(
+                started,
+                phase,
+                [f"rank {rank} " + (describe_exit(code) if code is not None else "closed its connection")],
+            )
+        if message[0] == "failed":
+            _, failed_rank, error = message
+            self._startup_failed(started, phase, [f"rank {failed_rank} failed while starting: {error}"])
         if message[0] not in expected:
             raise LaunchError(f"worker sent {message!r} during start-up, expected {expected}")
         return message
 
-    def _check_started(self, deadline: float, phase: str, force: bool = False) -> None:
+    def _check_started(self, started: float, phase: str) -> None:
+        """Raise LaunchError when a pool process exited or start-up took too long."""
         self._collect_exits()
         zygote_code = self.zygote.poll()
-        if not (self.exit_codes or zygote_code is not None or force or time.perf_counter() > deadline):
-            return
-        what = [f"rank {r} {describe_exit(code)}" for r, code in sorted(self.exit_codes.items())]
+        what = [self._describe_start_exit(rank, code) for rank, code in sorted(self.exit_codes.items())]
         if zygote_code is not None:
             what.append(f"the zygote {describe_exit(zygote_code)}")
+        if not what and time.perf_counter() - started > self.startup_timeout:
+            what.append(f"timed out (--dcp-startup-timeout {self.startup_timeout:g} s)")
+        if what:
+            self._startup_failed(started, phase, what)
+
+    def _describe_start_exit(self, rank: int, code: int) -> str:
+        """How a rank that exited during start-up ended, with the error it sent, if any."""
+        conn = self.conns.get(rank)
+        try:
+            while conn is not None and conn.poll(0):
+                message = conn.recv()
+                if message[0] == "failed":
+                    return f"rank {rank} failed while starting: {message[2]} ({describe_exit(code)})"
+        except (EOFError, OSError):
+            pass
+        return f"rank {rank} {describe_exit(code)}"
+
+    def _startup_failed(self, started: float, phase: str, what: list[str]):
         logs = [f"--- zygote log ---\n{_tail(self.tmpdir / 'zygote.log')}"]
         logs += [f"--- rank {r} log ---\n{_tail(self._log(r))}" for r in range(self.world_size)]
         raise LaunchError(
-            f"could not start {self.world_size} ranks ({self.placement.describe()}; {phase} phase): "
-            + ("; ".join(what) or f"timed out after {self.startup_timeout:.0f} s")
-            + "\n"
-            + "\n".join(logs)
+            f"could not start {self.world_size} ranks ({self.placement.describe()}; {phase} phase) "
+            f"after {time.perf_counter() - started:.1f} s: " + "; ".join(what) + "\n" + "\n".join(logs)
         )
 
     def _collect_exits(self, wait_s: float = 0.0) -> None:
@@ -255,9 +302,13 @@ class RankPool:
         }
         started = time.perf_counter()
         result = CaseResult(self.world_size)
-        for conn in self.conns.values():
-            conn.send(task)
+        for rank, conn in self.conns.items():
+            try:
+                conn.send(task)
+            except OSError:  # a broken pipe: it hung up before this case
+                raise RankGoneBeforeCase(rank, self._death(rank)) from None
         pending = set(self.conns)
+        began = set()  # ranks that said they started the case
         deadline = started + timeout
         first_failure = None
         by_conn = {conn: rank for rank, conn in self.conns.items()}
@@ -269,20 +320,28 @@ class RankPool:
                 break
             for conn in wait([self.conns[r] for r in pending], timeout=min(0.2, limit - now)):
                 rank = by_conn[conn]
-                pending.discard(rank)
                 try:
-                    outcome = conn.recv()
+                    message = conn.recv()
                 except (EOFError, OSError):
+                    if rank not in began:
+                        raise RankGoneBeforeCase(rank, self._death(rank)) from None
+                    pending.discard(rank)
                     result.dead[rank] = self._death(rank)
                     first_failure = first_failure or time.perf_counter()
                     continue
-                result.outcomes[rank] = outcome
-                if not outcome.ok and first_failure is None:
+                if message == TASK_STARTED:
+                    began.add(rank)
+                    continue
+                pending.discard(rank)
+                result.outcomes[rank] = message
+                if not message.ok and first_failure is None:
                     first_failure = time.perf_counter()
             self._collect_exits()
             for rank in sorted(pending & set(self.exit_codes)):
+                outcome = self._unread_messages(rank, began)
+                if rank not in began:
+                    raise RankGoneBeforeCase(rank, self._death(rank))
                 pending.discard(rank)
-                outcome = self._last_report(rank)
                 if outcome is not None:  # it reported, then exited: the case has its result
                     result.outcomes[rank] = outcome
                     continue
@@ -293,18 +352,28 @@ class RankPool:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _last_report(self, rank: int):
-        """What an exited rank sent before it exited and nobody has read yet, else None."""
+    def _unread_messages(self, rank: int, began: set):
+        """What an exited rank sent before it exited and nobody has read yet:
+        its start of the case (added to ``began``), then its outcome (returned), else None."""
         conn = self.conns[rank]
         try:
-            return conn.recv() if conn.poll(0) else None
+            while conn.poll(0):
+                message = conn.recv()
+                if message != TASK_STARTED:
+                    return message
+                began.add(rank)
         except (EOFError, OSError):
-            return None
+            pass
+        return None
 
-    def _death(self, rank: int) -> str:
+    def _await_exit(self, rank: int) -> None:
+        """Until the zygote reported how ``rank`` exited, at most EXIT_REPORT_WAIT_S."""
         deadline = time.perf_counter() + EXIT_REPORT_WAIT_S
         while rank not in self.exit_codes and time.perf_counter() < deadline:
             self._collect_exits(wait_s=0.1)
+
+    def _death(self, rank: int) -> str:
+        self._await_exit(rank)
         how = describe_exit(self.exit_codes[rank]) if rank in self.exit_codes else "closed its connection"
         return f"{how}\n--- rank {rank} log (tail) ---\n{_tail(self._log(rank))}"
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
-from dcpcheck.ranks.pool import RankPool
+from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
 
 
 class SpawnedRanks:
@@ -60,24 +60,38 @@ class SpawnedRanks:
             raise
         return pool, True
 
+    def decide_before_launch(self, case_id: str, ask, *, timeout: float):
+        return ask()  # the pytest process is the one place that asks
+
     def run(
         self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
     ) -> CaseResult:
-        pool, started = self._live_pool(world_size, impl_spec)
-        try:
-            result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
-            if started:
-                result.pool_startup = dict(pool.startup)
-        except BaseException:
-            # Ctrl-C (or any error) mid-case: the ranks are still in it, so an
-            # orderly stop would wait for them. Kill the pool now.
-            pool.kill()
-            del self.pools[world_size]
-            raise
-        if result.stuck or result.dead:
-            pool.kill()
-            del self.pools[world_size]
-        return result
+        for attempt in (1, 2):
+            pool, started = self._live_pool(world_size, impl_spec)
+            try:
+                result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+                if started:
+                    result.pool_startup = dict(pool.startup)
+            except RankGoneBeforeCase as gone:
+                # It died between cases: the case never ran there. Once more on a fresh pool.
+                self._discard(world_size)
+                if attempt == 2:
+                    raise LaunchError(
+                        f"rank {gone.rank} of a fresh pool of {world_size} ranks ended before it started the "
+                        f"case, as one of the pool before it had: {gone.how}"
+                    ) from None
+                continue
+            except BaseException:
+                # Ctrl-C (or any error) mid-case: the ranks are still in it, so an
+                # orderly stop would wait for them. Kill the pool now.
+                self._discard(world_size)
+                raise
+            if result.stuck or result.dead:
+                self._discard(world_size)
+            return result
+
+    def _discard(self, world_size: int) -> None:
+        self.pools.pop(world_size).kill()
 
     def stop(self) -> None:
         for pool in self.pools.values():

@@ -37,6 +37,13 @@ from dcpcheck.ranks.reaper import (
 
 STACK_SIGNAL = signal.SIGUSR1
 ORPHANED_SIGNAL = signal.SIGTERM  # the zygote's, from the kernel when pytest dies
+# Also from the kernel when pytest dies while a rank is stopped: the pool's
+# process group is then orphaned with a stopped member, and SIGHUP (whose
+# default action ends the zygote at once) comes before SIGTERM.
+ORPHANED_GROUP_SIGNAL = signal.SIGHUP
+# A rank's first message on receiving a task: a rank that dies before it sent
+# this died between cases, not in the case.
+TASK_STARTED = ("started",)
 
 
 def _connect(path: str) -> Connection:
@@ -135,6 +142,8 @@ def _redirect_output(path: str) -> None:
 def _end_pool(signum, frame) -> None:
     """The zygote's last act when pytest died: no rank, nothing a rank
     started, and no temporary directory is left."""
+    for sig in (ORPHANED_SIGNAL, ORPHANED_GROUP_SIGNAL):
+        signal.signal(sig, signal.SIG_IGN)  # the other one must not start this again midway
     kill_tree(os.getpid(), include_root=False)
     shutil.rmtree(_end_pool.tmpdir, ignore_errors=True)
     os._exit(128 + signum)
@@ -143,6 +152,7 @@ def _end_pool(signum, frame) -> None:
 def zygote_main(args) -> int:
     _end_pool.tmpdir = args.tmpdir
     signal.signal(ORPHANED_SIGNAL, _end_pool)
+    signal.signal(ORPHANED_GROUP_SIGNAL, _end_pool)
     die_with_parent(ORPHANED_SIGNAL, args.parent_pid)
     become_subreaper()
     _preload(args)
@@ -165,7 +175,8 @@ def zygote_main(args) -> int:
 
 def _rank_main(args, rank: int, zygote_pid: int) -> int:
     try:
-        signal.signal(ORPHANED_SIGNAL, signal.SIG_DFL)  # the zygote's handler is not the rank's
+        for sig in (ORPHANED_SIGNAL, ORPHANED_GROUP_SIGNAL):
+            signal.signal(sig, signal.SIG_DFL)  # the zygote's handlers are not the rank's
         die_with_parent(signal.SIGKILL, zygote_pid)  # a signal no busy loop can delay
         become_subreaper()
         _redirect_output(log_path(args.tmpdir, rank))
@@ -185,7 +196,13 @@ def rank_main(args, rank: int) -> int:
     conn = _connect(args.socket)
     conn.send(("hello", rank, os.getpid()))
     startup = {}
-    group = _init_group(args, startup)
+    try:
+        group = _init_group(args, startup)
+    except Exception as exc:
+        from dcpcheck.ranks.rankfn import describe_exception
+
+        conn.send(("failed", rank, describe_exception(exc)))  # its own error, for the test's message
+        raise
     conn.send(("ready", args.rank, os.getpid(), startup))
     while True:
         try:
@@ -194,6 +211,7 @@ def rank_main(args, rank: int) -> int:
             return 0
         if task["op"] == "stop":
             break
+        conn.send(TASK_STARTED)
         outcome = _run_task(task, group)
         end_case_processes(before=set())  # a rank starts nothing itself: every descendant is the case's
         conn.send(outcome)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -38,10 +39,13 @@ def leave_on_rank(ctx, *, bad_rank: int, how: str, before_collective: bool = Tru
         sum_of_ranks(ctx)
 
 
-def spin_holding_the_gil(ctx, *, marker: str) -> None:
+def spin_holding_the_gil(ctx, *, marker: str, stop_rank: int | None = None) -> None:
     """A busy loop in C that never releases the GIL, so no Python thread of
-    this process (an orphan guard, a signal handler) runs again."""
+    this process (an orphan guard, a signal handler) runs again; ``stop_rank``
+    stops itself (SIGSTOP) instead."""
     Path(f"{marker}.{ctx.rank}").write_text(str(os.getpid()))
+    if ctx.rank == stop_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
     sum(range(10**15))
 
 
@@ -52,6 +56,33 @@ def report_then_exit(ctx, *, bad_rank: int) -> int:
         threading.Timer(0.2, os._exit, args=(0,)).start()
     else:
         time.sleep(1.0)
+    return ctx.rank
+
+
+def _exit_after_the_next(method: str) -> None:
+    """This process exits right after its next ``Connection.<method>`` call:
+    the rank's next message to the pytest process, or the next task it receives."""
+    original = getattr(Connection, method)
+
+    def call_then_exit(self, *args):
+        original(self, *args)
+        os._exit(0)
+
+    setattr(Connection, method, call_then_exit)
+
+
+def exit_after_reporting(ctx, *, bad_rank: int) -> int:
+    """``bad_rank``'s process exits as soon as it has sent this case's outcome,
+    while it waits for its next task."""
+    if ctx.rank == bad_rank:
+        _exit_after_the_next("send")
+    return ctx.rank
+
+
+def exit_on_the_next_task(ctx, *, bad_rank: int) -> int:
+    """``bad_rank``'s process exits when its next task reaches it, before it starts it."""
+    if ctx.rank == bad_rank:
+        _exit_after_the_next("recv")
     return ctx.rank
 
 
@@ -92,6 +123,18 @@ def change_global_state(ctx) -> None:
     torch.set_grad_enabled(False)
     os.environ[LEAKED_VARIABLE] = "1"
     torch.rand(1)
+
+
+def set_variable_then_sleep_on_rank(ctx, *, bad_rank: int) -> None:
+    """Every rank sets :data:`LEAKED_VARIABLE`, then the case gets stuck (see :func:`sleep_on_rank`)."""
+    os.environ[LEAKED_VARIABLE] = "set by a stuck case"
+    sleep_on_rank(ctx, bad_rank=bad_rank)
+
+
+def variable_seen(ctx) -> str | None:
+    """:data:`LEAKED_VARIABLE` as the next case finds it, after a collective."""
+    sum_of_ranks(ctx)
+    return os.environ.get(LEAKED_VARIABLE)
 
 
 def global_state_seen(ctx) -> tuple:

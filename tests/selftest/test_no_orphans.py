@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dcpcheck.ranks.procstate import process_state_letter
 from tests.selftest.inner import start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
@@ -19,12 +20,12 @@ pytestmark = pytest.mark.spawned_only
 GIL_SPINNING_TESTS = """
 from tests.selftest.hostile import spin_holding_the_gil, start_processes
 
-def spin_after_starting_processes(ctx, *, marker, pid_file):
+def spin_after_starting_processes(ctx, *, marker, pid_file, stop_rank):
     start_processes(ctx, pid_file=pid_file)
-    spin_holding_the_gil(ctx, marker=marker)
+    spin_holding_the_gil(ctx, marker=marker, stop_rank=stop_rank)
 
 def test_spins(dcp, tmp_path_factory):
-    dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}")
+    dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}", stop_rank={stop_rank})
 """
 
 
@@ -44,9 +45,12 @@ def _wait_until(predicate, seconds: float) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_killed_session_leaves_no_process_even_with_the_gil_held(tmp_path, sig):
+def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopped(tmp_path, sig):
+    # Rank 0 spins with the GIL held, rank 1 is stopped (SIGSTOP): when pytest
+    # dies the kernel also sends SIGHUP to the pool's now orphaned process group.
     marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
-    write_session(tmp_path, {"test_spin.py": GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file)})
+    tests = GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=1)
+    write_session(tmp_path, {"test_spin.py": tests})
     proc = start_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120"])
     markers = [Path(f"{marker}.{rank}") for rank in range(2)]
     assert _wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
@@ -54,6 +58,7 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held(tmp_path, sig):
     started = [int(pid) for rank in range(2) for pid in Path(f"{pid_file}.{rank}").read_text().split()]
     pool_dir = _pool_dir(ranks[0])
     assert all(map(_alive, ranks + started))
+    assert _wait_until(lambda: process_state_letter(ranks[1]) == "T", 10)
     os.kill(proc.pid, sig)
     proc.communicate(timeout=30)
     assert _wait_until(lambda: not any(map(_alive, ranks + started)), 10), [p for p in ranks + started if _alive(p)]
@@ -64,7 +69,8 @@ def _start_spinning_session(tmp_path, args: list[str]):
     """An inner session whose one W = 2 case spins with the GIL held (its
     timeout far away) -> (the process, the rank pids, the pool's directory)."""
     marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
-    write_session(tmp_path, {"test_spin.py": GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file)})
+    tests = GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=None)
+    write_session(tmp_path, {"test_spin.py": tests})
     proc = start_inner_pytest(
         tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120", *args], own_group=True
     )

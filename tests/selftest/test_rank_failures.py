@@ -10,6 +10,8 @@ import torch
 
 from tests.selftest.hostile import (
     change_global_state,
+    exit_after_reporting,
+    exit_on_the_next_task,
     global_state_seen,
     raise_monsters,
     report_then_exit,
@@ -133,3 +135,13 @@ def test_stopped_rank_is_reported_as_stopped(dcp):
 def test_a_rank_that_exits_after_reporting_keeps_its_result_and_the_next_case_runs(dcp):
     assert dcp.run(report_then_exit, bad_rank=1) == [0, 1]
     assert dcp.run(sum_of_ranks)  # on a fresh pool: rank 1 is gone
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_a_rank_that_dies_between_cases_costs_the_next_case_nothing(dcp):
+    # Gone before the next task was sent, then as it arrived: either way the
+    # next case runs on a fresh pool, with no BrokenPipeError and no false "dead ranks".
+    for dies_between_cases in (exit_after_reporting, exit_on_the_next_task):
+        assert dcp.run(dies_between_cases, bad_rank=1) == [0, 1]
+        assert dcp.run(sum_of_ranks) == [3.0, 3.0], dies_between_cases.__name__
