@@ -94,10 +94,17 @@ class DcpRunner:
             case=case,
         )
         timeout = timeout or self.session.timeout
-        reason = self._ask("unavailable_reason", terms, timeout)
+        launcher = self.session.launcher()
+        try:
+            reason, defect, failure = launcher.decide_before_launch(
+                self.nodeid, lambda: self._answers_before_launch(terms, timeout), timeout=timeout
+            )
+        except LaunchError as exc:
+            reason, defect, failure = None, None, str(exc)
+        if failure:
+            pytest.fail(f"{self._header_line()}\n{failure}", pytrace=False)
         if reason:
             pytest.skip(reason)
-        defect = self._ask("known_defect", terms, timeout)
         if defect:
             # The check still runs: a failure is reported as xfailed with
             # this reason, a pass as XPASS (the defect may be fixed).
@@ -107,7 +114,7 @@ class DcpRunner:
         if case.get("backend"):
             self._node.user_properties.append(("dcp_backend", case["backend"]))
         try:
-            result = self.session.launcher().run(
+            result = launcher.run(
                 self.world_size,
                 fn,
                 case,
@@ -117,7 +124,9 @@ class DcpRunner:
                 case_id=self.nodeid,
             )
         except LaunchError as exc:
-            pytest.fail(f"{self._header_line()}\n{exc}", pytrace=False)
+            result, launch_error = None, str(exc)
+        if result is None:  # failed outside the except block: the LaunchError is not shown again as its context
+            pytest.fail(f"{self._header_line()}\n{launch_error}", pytrace=False)
         if result.stop_session:
             self._node.session.shouldstop = result.stop_session
         self._record_phases(result)  # failed cases too: their pool start and compiles took time alike
@@ -128,21 +137,41 @@ class DcpRunner:
         self._record_gpu_peaks(result)
         return values
 
-    def _ask(self, method: str, terms, timeout: float):
-        """The implementation's answer to ``method(terms)``, asked in this
-        process before launch; one that does not return within the case
-        timeout fails the test with its stack, rather than hang the session."""
+    def _answers_before_launch(self, terms, timeout: float) -> tuple:
+        """-> (why the case is unavailable, its known defect, why asking
+        failed), each a string or None: plain values, which torchrun's rank 0
+        shares with every rank."""
+        reason, failure = self._ask("unavailable_reason", terms, timeout)
+        if reason or failure:
+            return reason, None, failure
+        defect, failure = self._ask("known_defect", terms, timeout)
+        return None, defect, failure
+
+    def _ask(self, method: str, terms, timeout: float) -> tuple:
+        """-> (the implementation's answer to ``method(terms)``, None), or
+        (None, why asking failed): it raised, or did not return within the
+        case timeout (its stack then says where it hangs)."""
+        from dcpcheck.ranks.rankfn import describe_exception
+
         ask = getattr(self.impl, method, None)
         if ask is None:
-            return None
-        answer = ThreadedCall(ask, terms)
-        if answer.finished(timeout):
-            return answer.result()
-        pytest.fail(
-            f"{self._header_line()}\n{self.session.impl_spec}.{method}(terms) did not return within {timeout:g} s "
-            f"(it is asked before launch, in the pytest process); its stack:\n{answer.stack()}",
-            pytrace=False,
+            return None, None
+        where = (
+            "on rank 0, whose answers every rank takes" if self.session.torchrun_world_size else "in the pytest process"
         )
+        asked = f"{self.session.impl_spec}.{method}(terms)"
+        answer = ThreadedCall(ask, terms)
+        if not answer.finished(timeout):
+            return None, (
+                f"{asked} did not return within {timeout:g} s (it is asked before launch, {where}); "
+                f"its stack:\n{answer.stack()}"
+            )
+        try:
+            value = answer.result()
+        except Exception as exc:  # noqa: BLE001 - the implementation's error fails this test, naming it
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+            return None, f"{asked} raised {describe_exception(exc)} (it is asked before launch, {where})\n{trace}"
+        return (str(value) if value else None), None
 
     def _record_worst_errors(self, values: list) -> None:
         for key in WORST_ERROR_KEYS:

@@ -5,8 +5,11 @@ in-process ranks of torchrun, :mod:`dcpcheck.ranks.torchrun`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+Answer = TypeVar("Answer")
 
 # After one rank has failed, how long its peers get to finish before they are
 # declared stuck (waiting in a collective the failed rank never joined).
@@ -50,6 +53,14 @@ class CaseResult:
 
 
 class Launcher(Protocol):
+    def decide_before_launch(self, case_id: str, ask: Callable[[], Answer], *, timeout: float) -> Answer:
+        """``ask()`` (the implementation's answers before a case), the same on
+        every rank: asked once, here or on one rank and shared, before any
+        collective, so that no rank skips a case its peers run. ``ask`` bounds
+        each of its calls by ``timeout``. Raises :class:`LaunchError` when the
+        answers never came."""
+        ...
+
     def run(
         self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
     ) -> CaseResult:

@@ -24,6 +24,7 @@ POLL_S = 0.1
 # How much longer than rank 0 the other ranks wait for its verdict before
 # they take what they saw themselves (rank 0 itself may be the silent one).
 VERDICT_GRACE_S = 5.0
+NO_DECISION = object()  # rank 0 posted no decision in time
 
 
 @dataclass
@@ -69,6 +70,21 @@ class OutcomeBoard:
         if host != socket.gethostname():
             return f"runs on host {host} (pid {pid})"
         return describe(int(pid))
+
+    def decision(self, key: str, decide, *, deadline: float):
+        """Rank 0's ``decide()``, posted under ``key``; every other rank takes
+        it from the store (``decide`` is not called there). -> the value, or
+        ``NO_DECISION`` when none was posted by ``deadline``."""
+        name = f"{key}/decision"
+        if self.rank == 0:
+            value = decide()
+            self.store.set(name, pickle.dumps(value))
+            return value
+        while not self.store.check([name]):
+            if time.perf_counter() > deadline:
+                return NO_DECISION
+            time.sleep(POLL_S)
+        return pickle.loads(self.store.get(name))
 
     def post(self, key: str, report: RankReport) -> None:
         self.store.set(f"{key}/report/{self.rank}", _dumps(report))

@@ -8,9 +8,12 @@ by the test's node id, never through a collective: a rank that is stuck, that
 left the case early or whose process is gone cannot pair its report with a
 peer's pending collective, nor with another test's report.
 
-* A case thread still running at the case timeout (or 3 s after a peer
-  failed) is *stuck*: its rank reports its Python stack and abandons it; the
+* A case thread still running at the case timeout (or ``PEER_GRACE_S`` after
+  a peer failed) is *stuck*: its rank reports its Python stack, abandons it
+  and puts back what it changed of the environment and torch's settings; the
   next case gets a fresh DCP group.
+* The implementation's answers before launch are asked on rank 0 and taken
+  from the store by every rank, so all ranks skip or run a case alike.
 * Processes a case started are killed when it ends (this process is their
   subreaper, so a detached one is found too); the kernel kills the rank when
   torchrun's agent dies.
@@ -35,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 from dcpcheck.impls.registry import load_implementation
+from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
-from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, CaseResult
-from dcpcheck.ranks.outcome_board import OutcomeBoard, RankReport
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.outcome_board import NO_DECISION, OutcomeBoard, RankReport
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process
 from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, run_rank_case
@@ -121,6 +125,22 @@ class InProcessRanks:
         # so that no destructor waits for that thread.
         self.abandoned: list[DcpGroup] = []
         self.calls_per_test: dict[str, itertools.count] = {}
+        self.decisions_per_test: dict[str, itertools.count] = {}
+
+    def decide_before_launch(self, case_id: str, ask, *, timeout: float):
+        """Rank 0 asks; every rank takes its answers from the store, so all
+        ranks skip, mark or run the case alike (an answer that differed
+        between ranks, or raised on one, had one rank skip ahead of its peers'
+        collectives)."""
+        key = f"{case_id}#{next(self.decisions_per_test.setdefault(case_id, itertools.count()))}"
+        # Rank 0 asks two questions, each bounded by the timeout.
+        decision = self.board.decision(key, ask, deadline=time.perf_counter() + 2 * timeout + REPORT_GRACE_S)
+        if decision is NO_DECISION:
+            raise LaunchError(
+                f"rank 0 posted no answers before launch within {2 * timeout + REPORT_GRACE_S:g} s; its process "
+                + self.board.process_state(0, describe_process)
+            )
+        return decision
 
     def _new_dcp_group(self) -> DcpGroup:
         # Longer than the case timeout: a stuck case is ended (and its stacks
@@ -150,8 +170,9 @@ class InProcessRanks:
             self.group.collective_calls = 0
             ctx = RankContext(self.group, self.device, load_implementation(impl_spec), seed, case)
             thread = _CaseThread(fn, ctx)
+            state = CaseState()  # what an abandoned case thread changed is put back from here
             thread.start()
-            report = self._await(thread, key, started, timeout)
+            report = self._await(thread, key, started, timeout, state)
             end_case_processes(before)  # before reporting: once a peer has the verdict, they are gone
             self.board.post(key, report)
             reports = self.board.verdict(key, deadline=started + timeout + REPORT_GRACE_S)
@@ -175,9 +196,11 @@ class InProcessRanks:
             self.group = None
         return result
 
-    def _await(self, thread: _CaseThread, key: str, started: float, timeout: float) -> RankReport:
+    def _await(self, thread: _CaseThread, key: str, started: float, timeout: float, state: CaseState) -> RankReport:
         """This rank's report: its outcome, or its stack when its case thread
-        is still running at the timeout or ``PEER_GRACE_S`` after a peer failed."""
+        is still running at the timeout or ``PEER_GRACE_S`` after a peer failed
+        (it is abandoned: what it changed of the process's state is put back,
+        as a finished case's is, since it never finishes)."""
         deadline = started + timeout
         peer_failed = None
         while thread.is_alive():
@@ -186,6 +209,9 @@ class InProcessRanks:
             if now >= limit:
                 stack = _thread_stack(thread)
                 self._abandon(thread)
+                put_back = state.put_back()
+                if put_back:
+                    stack += f"\n(the case is abandoned; its changes of {'; '.join(put_back)} were put back)"
                 return RankReport(self.rank, stack=stack, timed_out=peer_failed is None)
             thread.join(min(0.1, limit - now))
             if peer_failed is None and self.board.any_failure(key):
