@@ -18,6 +18,7 @@ import torch
 from dcpcheck.ranks import compile_clock
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
+from dcpcheck.ranks.input_guard import inputs_read_only
 
 
 @dataclass
@@ -134,7 +135,11 @@ def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     if ctx.device.type == "cuda":  # on CPU the kernels are interpreted: nothing compiles
         compile_clock.install()
     compiled_before = compile_clock.seconds()
-    outcome = _run(fn, ctx, CaseState(ctx.seed))
+    with inputs_read_only(ctx.impl, ctx.rank) as guard:
+        outcome = _run(fn, ctx, CaseState(ctx.seed))
+    if guard.violations:  # first: a mismatch after it is likely its consequence
+        outcome.ok = False
+        outcome.error = guard.error() + ("\n" + outcome.error if outcome.error else "")
     outcome.compile_seconds = compile_clock.seconds() - compiled_before
     if ctx.device.type == "cuda":
         outcome.gpu, outcome.gpu_peak_bytes = _release_gpu_memory(ctx.device)

@@ -3,6 +3,7 @@ pytest session (they happen at configure and collection time)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -83,6 +84,90 @@ def test_available_case(dcp):
 """
 
 
+FAILS_TO_JOIN_IMPL = """
+import sys
+
+import torch.distributed as dist
+
+if any("dcpcheck/ranks/worker" in arg for arg in sys.argv):  # in the pool's zygote only
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("planted: no process group today")
+
+    dist.init_process_group = refuse  # every rank fails while it starts
+
+
+class FailsToJoin:
+    name = "fails-to-join"
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError
+"""
+
+ONE_W2_CASE_TESTS = """
+def passes(ctx):
+    pass
+
+def test_one_case(dcp):
+    dcp.run(passes)
+"""
+
+CHANGES_INPUTS_IMPL = """
+from dcpcheck.port.impl import EmbeddedPort
+
+
+class ChangesInputs(EmbeddedPort):
+    name = "changes-inputs"
+
+    @staticmethod
+    def combine(out, lse, group, **options):
+        result = EmbeddedPort.combine(out, lse, group, **options)
+        if group.rank_in_group == 1:
+            lse.view(-1)[:37] += 1.0  # after the merge: only the check of its inputs can tell
+        return result
+
+    @staticmethod
+    def filter_index(topk, token_to_req, block_table, is_valid_token, **options):
+        result = EmbeddedPort.filter_index(topk, token_to_req, block_table, is_valid_token, **options)
+        block_table[0, 0] = 99
+        return result
+
+    def known_defect(self, terms):
+        if "lse_near_150" in terms.properties:
+            raise ValueError("planted: known_defect raises")
+        return None
+"""
+
+CHANGES_INPUTS_TESTS = """
+import pytest
+import torch
+
+pytestmark = pytest.mark.world_sizes(2)
+
+def calls_combine(ctx):
+    out, lse = torch.zeros(20, 8, 4), torch.zeros(20, 8)
+    ctx.impl.combine(out, lse, ctx.group, backend="ag_rs", lse_base=2.0, return_lse=True)
+
+def calls_filter_index(ctx):
+    topk = torch.tensor([[0, 1, 2, -1]], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).reshape(1, 8)
+    ctx.impl.filter_index(
+        topk, torch.zeros(1, dtype=torch.int32), table, torch.ones(1, dtype=torch.bool),
+        bs=4, world_size=ctx.world_size, rank=ctx.rank, interleave=1,
+    )
+
+def test_combine_changes_lse(dcp):
+    dcp.run(calls_combine)
+
+def test_filter_index_changes_the_block_table(dcp):
+    dcp.run(calls_filter_index)
+
+@pytest.mark.scenario("lse_near_150")
+def test_known_defect_raises(dcp):
+    dcp.run(calls_combine)
+"""
+
+
 USER_IMPL_LACKING_CAPABILITIES = (
     "class Partial:\n    name = 'mine'\n    def filter_index(self, *a, **k):\n        raise NotImplementedError\n"
 )
@@ -100,7 +185,17 @@ SESSIONS = {
     "stage empty": (["test_staged.py"], {"DSV41_DCP_STAGE": ""}),
     "user impl lacking capabilities": (["-rs", "--dcp-impl", "my_impl.py:Partial", "test_mine.py"], {}),
     "known defects": (
-        ["-rsxX", "--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "test_defect.py"],
+        # The longest timeouts accepted: the pool, the collectives and the wait for known_defect take them.
+        ["-rsxX", "--dcp-impl", "defective.py:WithKnownDefect", "--world-sizes", "2", "test_defect.py"]
+        + ["--dcp-timeout", "1e6", "--dcp-startup-timeout", "1e6"],
+        {},
+    ),
+    "ranks fail to start": (
+        ["--device", "cpu", "--dcp-impl", "fails_to_join.py:FailsToJoin", "--world-sizes", "2", "test_one_w2.py"],
+        {},
+    ),
+    "inputs changed in place": (
+        ["--dcp-impl", "changes_inputs.py:ChangesInputs", "--world-sizes", "2", "test_changes_inputs.py"],
         {},
     ),
     "scenario typo": (["test_typo.py"], {}),
@@ -117,6 +212,10 @@ def sessions(tmp_path_factory):
         "defective.py": KNOWN_DEFECT_IMPL,
         "test_defect.py": KNOWN_DEFECT_TESTS,
         "test_typo.py": SCENARIO_TYPO_TESTS,
+        "fails_to_join.py": FAILS_TO_JOIN_IMPL,
+        "test_one_w2.py": ONE_W2_CASE_TESTS,
+        "changes_inputs.py": CHANGES_INPUTS_IMPL,
+        "test_changes_inputs.py": CHANGES_INPUTS_TESTS,
     }
     write_session(tmp_path, files)
     return run_sessions_in_one_interpreter(tmp_path, SESSIONS)
@@ -182,6 +281,27 @@ def test_unknown_scenario_property_is_a_usage_error(sessions):
     code, output = sessions["scenario typo"]
     assert code == 4, output
     assert "unknown scenario properties ['short_tables']" in output and "'short_table'" in output
+
+
+def test_a_rank_failing_while_it_starts_is_reported_with_its_own_error(sessions):
+    code, output = sessions["ranks fail to start"]
+    assert code == 1 and "1 failed" in output, output
+    found = re.search(r"could not start 2 ranks \(cpu/gloo; ready phase\) after ([0-9.]+) s: rank \d failed", output)
+    assert found and float(found.group(1)) < 30, output  # the real elapsed time, not the start-up timeout
+    assert "RuntimeError: planted: no process group today" in output
+    assert "timed out" not in output
+    assert output.count("could not start 2 ranks") == 1, output  # printed once, not once more as a chained exception
+    assert "During handling of the above exception" not in output
+
+
+def test_inputs_changed_in_place_are_named(sessions):
+    code, output = sessions["inputs changed in place"]
+    assert code == 1 and "3 failed" in output, output
+    assert "failing ranks [1]; ranks [0] passed" in output
+    assert "[rank 1] InputChangedError: combine changed its input `lse` in place (rank 1, 37 of 160 elements)" in output
+    assert "filter_index changed its input `block_table` in place (rank 0, 1 of 8 elements)" in output
+    assert "its contract says it only reads its inputs" in output
+    assert "known_defect(terms) raised ValueError: planted: known_defect raises" in output
 
 
 BROKEN_AT_FORK_IMPL = """
