@@ -7,7 +7,10 @@ nothing), so the time left is the pack, rescale and unpack-and-sum. Beside it,
 a device-to-device copy of the partial's bytes (out + LSE): the least any
 backend must move through HBM. Eager and CUDA-graph replay, median over calls.
 
-    python tools/bench_local.py --dcp-impl port --world-sizes 2 4 8 --out bench-local
+    python tools/bench_local.py --dcp-impl port vllm --world-sizes 2 4 8 --out reports
+
+Several implementations go in one table, one row per implementation and
+shape, each beside the same copy.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import contextmanager
+from itertools import product
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,11 +65,18 @@ class StubGroup:
         return tensor
 
 
+class _Done:
+    """The work handle of a collective that already finished (vLLM's a2a waits on one)."""
+
+    def wait(self):
+        return True
+
+
 @contextmanager
 def no_all_to_all():
     """``torch.distributed.all_to_all_single`` as a no-op (the a2a backends call it directly)."""
     saved = dist.all_to_all_single
-    dist.all_to_all_single = lambda output, input, *args, **kwargs: None
+    dist.all_to_all_single = lambda output, input, *args, **kwargs: _Done()
     try:
         yield
     finally:
@@ -83,7 +95,7 @@ def time_us(fn, *, warmup: int, iters: int, graph: bool) -> float:
     return time_calls(cuda_graph.replay, iters)
 
 
-def measure(impl, args) -> list[list[str]]:
+def measure(impls: dict, args) -> list[list[str]]:
     device = torch.device("cuda", 0)
     rows = []
     for world in args.world_sizes:
@@ -100,26 +112,28 @@ def measure(impl, args) -> list[list[str]]:
                     g: time_us(lambda t=target, s=source: t.copy_(s), warmup=args.warmup, iters=args.iters, graph=g)
                     for g in (False, True)
                 }
-                for backend in args.backends:
+                for (name, impl), backend in product(impls.items(), args.backends):
 
-                    def call(out=out, lse=lse, group=group, backend=backend):
+                    def call(impl=impl, out=out, lse=lse, group=group, backend=backend):
                         return impl.combine(out, lse, group, backend=backend, return_lse=True)
 
                     with no_all_to_all():
                         local = {g: time_us(call, warmup=args.warmup, iters=args.iters, graph=g) for g in (False, True)}
                     rows.append([
-                        str(world), str(tokens), str(heads), backend, f"{local[False]:.1f}", f"{local[True]:.1f}",
-                        f"{copy[True]:.1f}", f"{local[True] / copy[True]:.2f}",
+                        name, str(world), str(tokens), str(heads), backend, f"{local[False]:.1f}",
+                        f"{local[True]:.1f}", f"{copy[True]:.1f}", f"{local[True] / copy[True]:.2f}",
                     ])  # fmt: skip
     return rows
 
 
-COLUMNS = ("W", "T", "H", "backend", "local eager us", "local graph us", "copy graph us", "graph / copy")
+COLUMNS = ("impl", "W", "T", "H", "backend", "local eager us", "local graph us", "copy graph us", "graph / copy")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dcp-impl", default="port", help="port | vllm | dsv41 | pkg.module:attr (its combine)")
+    parser.add_argument(
+        "--dcp-impl", nargs="+", default=["port"], help="port | vllm | dsv41 | pkg.module:attr (their combines)"
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 128], help="gathered heads H")
@@ -131,18 +145,25 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_local: needs a GPU (it times CUDA kernels)", file=sys.stderr)
         return 2
-    impl = load_implementation(args.dcp_impl)
-    if not callable(getattr(impl, "combine", None)):
-        print(f"bench_local: --dcp-impl {args.dcp_impl} has no combine", file=sys.stderr)
-        return 2
-    rows = measure(impl, args)
+    impls = {spec: load_implementation(spec) for spec in args.dcp_impl}
+    for spec, impl in impls.items():
+        if not callable(getattr(impl, "combine", None)):
+            print(f"bench_local: --dcp-impl {spec} has no combine", file=sys.stderr)
+            return 2
+    rows = measure(impls, args)
     table = "\n".join(
         ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + ["| " + " | ".join(r) + " |" for r in rows]
     )
-    print(f"impl={args.dcp_impl} device={torch.cuda.get_device_name(0)}\n{table}", flush=True)
+    described = "; ".join(f"{spec}: {impl.describe()}" for spec, impl in impls.items() if hasattr(impl, "describe"))
+    header = (
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"median of {args.iters} calls after {args.warmup} warm-ups; {described or 'no header of the implementations'}"
+    )
+    print(f"{header}\n{table}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"bench_local_{args.dcp_impl.replace(':', '_').replace('/', '_')}.md").write_text(table + "\n")
+        name = "_".join(spec.replace(":", "_").replace("/", "_") for spec in args.dcp_impl)
+        (args.out / f"bench_local_{name}.md").write_text(f"{header}\n\n{table}\n")
     return 0
 
 

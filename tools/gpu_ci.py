@@ -63,6 +63,7 @@ class Session:
     torchrun: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    workers_share: float = 1.0  # of --workers, for a session beside the pool session
 
 
 # The longest files go first within the pool session (pytest-xdist hands
@@ -79,11 +80,29 @@ POOL_STEPS = (
 TORCHRUN_STEP = Step(
     "torchrun", ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
 )
+STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+# The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
+# carries both to a GPU host); run only where vLLM imports. Beside the pool
+# session, each with half its workers.
+VLLM_SESSIONS = (
+    Session("vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.5),
+    Session("dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.5),
+)
 SESSIONS = (
     Session("pool", POOL_STEPS),
     Session("torchrun", (TORCHRUN_STEP,), torchrun=True),
+    *VLLM_SESSIONS,
 )
 STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM sessions cannot run here (vLLM does not import), else None."""
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], cwd=REPO, capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    last = (probe.stderr.strip().splitlines() or ["exit status " + str(probe.returncode)])[-1]
+    return f"vLLM does not import here ({last}); install it (tools/install_vllm_cpu.sh, or tools/carry_vllm.py)"
 
 
 def expand(patterns) -> list[str]:
@@ -120,10 +139,11 @@ def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus:
     if session.torchrun:
         ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
-    if args.workers > 1:
+    workers = max(1, int(args.workers * session.workers_share))
+    if workers > 1:
         # loadfile: a test file stays on one xdist worker, whose ranks then
         # build each shared realistic scenario once.
-        pytest += ["-n", str(args.workers), "--dist", "loadfile", *_xdist_keeps_order()]
+        pytest += ["-n", str(workers), "--dist", "loadfile", *_xdist_keeps_order()]
     return [sys.executable, *pytest]
 
 
@@ -356,7 +376,10 @@ def main(argv=None) -> int:
     out = args.out.resolve()
 
     runs, junit_files, sessions = [], {}, []
+    left_out = vllm_missing() if wanted & {s.name for s in VLLM_SESSIONS} else None
     for session in SESSIONS:
+        if left_out and session in VLLM_SESSIONS:
+            continue
         step_paths = {s.name: expand(s.paths) for s in session.steps if s.name in wanted and expand(s.paths)}
         if not step_paths:
             continue
@@ -384,6 +407,8 @@ def main(argv=None) -> int:
         f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} cores={cores} pool workers={args.workers} "
         f"wall {wall:.1f} s\n\n"
     )
+    if left_out:
+        header += f"Not run: {', '.join(s.name for s in VLLM_SESSIONS)}: {left_out}\n\n"
     summary = header + render(rows, phases, runs, order) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
