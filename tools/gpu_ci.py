@@ -42,6 +42,8 @@ from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES
 
 REPO = Path(__file__).resolve().parents[1]
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
+SLOWEST_SHOWN = 8  # test modules listed by their cases' seconds
+SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"  # tests/conftest.py: one xdist group per file, in command-line order
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,27 @@ class Session:
     workers_share: float = 1.0  # of --workers, for a session beside the pool session
 
 
-# The longest files go first within the pool session (pytest-xdist hands
-# files to workers in this order): the realistic cases, then the self-tests
-# that wait on inner sessions, so the short stage files fill in around them.
 POOL_STEPS = (
-    Step("realistic", ("tests/gpu/test_*.py",)),
     Step("harness", ("tests/selftest",)),
-    Step("e2e", ("tests/e2e",)),
+    Step("stage1", ("tests/stage1_index",)),
     Step("stage3", ("tests/stage3_combine",)),
     Step("stage9", ("tests/stage9_prefill",)),
-    Step("stage1", ("tests/stage1_index",)),
+    Step("e2e", ("tests/e2e",)),
+    Step("realistic", ("tests/gpu/test_*.py",)),
+)
+# A session hands its files to the xdist workers in command-line order
+# (tests/conftest.py, DCPCHECK_XDIST_SPREAD): these, the longest on one H200,
+# go first, so the short files fill in around them; the rest follow by step.
+LONGEST_FIRST = (
+    "tests/selftest/test_no_orphans.py",
+    "tests/selftest/test_rank_failures.py",
+    "tests/gpu/test_stage9_realistic.py",
+    "tests/e2e/test_serving_trace.py",
+    "tests/selftest/test_session_setup.py",
+    "tests/gpu/test_stage3_realistic.py",
+    "tests/gpu/test_stage1_realistic.py",
+    "tests/selftest/test_torchrun_mode.py",
+    "tests/stage3_combine/test_combine.py",
 )
 TORCHRUN_STEP = Step(
     "torchrun", ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
@@ -106,22 +119,28 @@ def vllm_missing() -> str | None:
 
 
 def expand(patterns) -> list[str]:
-    """Existing test paths of ``patterns`` (globs relative to the repo)."""
+    """The test files of ``patterns`` (globs relative to the repo: files or folders)."""
     found = []
     for pattern in patterns:
-        found += sorted(str(p.relative_to(REPO)) for p in REPO.glob(pattern) if p.name != "__init__.py")
+        for path in sorted(REPO.glob(pattern)):
+            files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+            found += [str(f.relative_to(REPO)) for f in files if f.name.startswith("test_")]
     return found
+
+
+def longest_first(paths: list[str]) -> list[str]:
+    return sorted(paths, key=lambda path: LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST))
 
 
 def default_workers(gpus: int, cores: int) -> int:
     """xdist workers for the pool session: each starts a pool per world size
-    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 4 per GPU,
-    and 4 cores each for the host-side work of its ranks; 8 at most."""
-    return max(1, min(8, 4 * max(gpus, 1), cores // 4))
+    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 5 per GPU,
+    and 3 cores each for the host-side work of its ranks; 8 at most."""
+    return max(1, min(8, 5 * max(gpus, 1), cores // 3))
 
 
 def _xdist_keeps_order() -> list[str]:
-    """pytest-xdist >= 3.7 reorders files by test count unless told not to."""
+    """pytest-xdist >= 3.7 reorders groups by test count unless told not to."""
     try:
         major, minor = (int(part) for part in metadata.version("pytest-xdist").split(".")[:2])
     except (metadata.PackageNotFoundError, ValueError):
@@ -141,9 +160,9 @@ def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
     workers = max(1, int(args.workers * session.workers_share))
     if workers > 1:
-        # loadfile: a test file stays on one xdist worker, whose ranks then
-        # build each shared realistic scenario once.
-        pytest += ["-n", str(workers), "--dist", "loadfile", *_xdist_keeps_order()]
+        # A test file (a realistic one: each half) stays on one xdist worker,
+        # whose ranks then build each shared scenario once (tests/conftest.py).
+        pytest += ["-n", str(workers), "--dist", "loadgroup", *_xdist_keeps_order()]
     return [sys.executable, *pytest]
 
 
@@ -206,6 +225,7 @@ class Phases:
     cases: int = 0
     seconds: float = 0.0  # the cases' own durations (JUnit), pool starts and compiles included
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASE_PROPERTIES, 0.0))
+    modules: dict = field(default_factory=lambda: defaultdict(float))  # test module -> its cases' seconds
 
     @property
     def checking(self) -> float:
@@ -248,6 +268,7 @@ def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple
             step_phases = phases[step]
             step_phases.cases += 1
             step_phases.seconds += float(case.get("time") or 0.0)
+            step_phases.modules[case.get("classname", "").split("::")[0]] += float(case.get("time") or 0.0)
             for phase in PHASE_PROPERTIES:
                 step_phases.totals[phase] += float(props.get(f"dcp_{phase}", 0.0))
             row = rows[case_key(step, case)]
@@ -322,6 +343,10 @@ def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[Session
             f"| {step} | {p.cases} | {p.seconds:.1f} | {t['pool_start_s']:.1f} | {t['cuda_init_s']:.1f} "
             f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} |"
         )
+    # The longest modules bound a session's wall time (each runs on one xdist worker).
+    modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)
+    lines += ["", "| slowest test modules | step | case s |", "|---|---|---:|"]
+    lines += [f"| {module} | {step} | {seconds:.1f} |" for seconds, step, module in modules[:SLOWEST_SHOWN]]
     return "\n".join(lines)
 
 
@@ -383,11 +408,11 @@ def main(argv=None) -> int:
         step_paths = {s.name: expand(s.paths) for s in session.steps if s.name in wanted and expand(s.paths)}
         if not step_paths:
             continue
-        paths = [path for step in step_paths.values() for path in step]
+        paths = longest_first([path for step in step_paths.values() for path in step])
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
-        runs.append(SessionRun(session.name, argv_, {**os.environ, **dict(session.env)}))
+        runs.append(SessionRun(session.name, argv_, {**os.environ, SPREAD_ENV: "1", **dict(session.env)}))
         junit_files[junit] = step_paths
         sessions.append(session)
 
