@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, int] = {
     "prefill_gather": STAGE_PREFILL,
     "prefill_remap": STAGE_PREFILL,
     "build_attention": STAGE_COMBINE,
+    "serving_probes": STAGE_INDEX,
 }
 
 LSE_BASES = (2.0, math.e)
@@ -54,8 +55,13 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
     "rounded_once": "a 16-bit combine held to one rounding of the exact merge (compare.py's out_rounded_once): "
     "summing or rescaling in the 16-bit dtype fails it",
-    "multi_token_interleave": "compressed layers whose interleave spans more than one token "
-    "(S states * rho tokens per state > 1), read and written at W > 1",
+    "dsv41_ratio2": "DeepSeek-V4.1 compressed layers of ratio 2 (a state is two tokens, so the interleave's "
+    "unit matters), written and read at W > 1",
+    "tree_compressed_writer": "the compressed write side the tree serves with (its DSV4.1 metadata builder), "
+    "against vLLM's DCP placement",
+    "tree_read_unit": "the interleave unit the port's read side uses, against vLLM's DCP writer",
+    "tree_swa_placement": "where the tree's KV-cache spec keeps the sliding-window cache under DCP, against "
+    "where the port reads it",
     "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
     "its own top-k into the one model-wide top-k buffer in the same step",
     "v40_ratios": "layers of DeepSeek-V4.0's compress ratios 4 (C4A) and 128 (C128A), which DeepSeek-V4.1 "
@@ -240,6 +246,13 @@ class DcpImplementation(Protocol):
         None."""
 
     # ---- the gate ---------------------------------------------------------
+    def serving_probes(self) -> dict[str, str | None]:
+        """For an implementation built on a serving stack: how that stack
+        writes and stores what the port reads, asked of its own code. Probe
+        name ("compressed writer", "read side's interleave unit",
+        "sliding-window cache placement") -> what disagrees, or None."""
+        ...
+
     def build_attention(self, layout, group, **options):
         """Build one layer's DCP attention path for ``layout`` (``rho``: 0 =
         SWA only, ``bs``, ``interleave``, ``world_size``) on ``group``. An

@@ -197,29 +197,13 @@ class VllmImplementation:
         # vLLM's interleave counts tokens and a state lives on the rank owning
         # its last token, so S states are S * rho tokens.
         token_interleave = interleave * rho
-        tokens_per_page = bs * rho
-        runs = _PositionRuns(positions, token_to_req)
-        query_start_loc = runs.bounds.to(torch.int32).to(device)
-        rows = _widened_rows(block_table[runs.requests.to(device)], runs.seq_lens, tokens_per_page * world_size)
-        token_slots = torch.empty(runs.num_tokens, dtype=torch.int64, device=device)
-        self._token_slot_kernel(
-            runs.requests.numel(),  # num_reqs
-            runs.num_tokens,
-            runs.num_tokens,  # max_num_tokens: no CUDA-graph padding to fill
-            query_start_loc,
-            runs.positions.to(device),
-            rows,
-            rows.stride(0),
-            token_slots,
-            tokens_per_page,
-            world_size,
-            rank,
-            token_interleave,
+        runs, rows, token_slots = self._run_token_slots(
+            positions, token_to_req, block_table, bs * rho, world_size, rank, token_interleave
         )
         run_slots = self._compressed_slots(
             runs.num_tokens,
             token_slots,
-            query_start_loc,
+            runs.bounds.to(torch.int32).to(device),
             runs.seq_lens.to(torch.int32).to(device),
             rows,
             bs,
@@ -230,6 +214,35 @@ class VllmImplementation:
         # vLLM marks padding by its slot (PAD_SLOT_ID), not its position: a
         # position the suite gives as -1 (a padding row) is written nowhere.
         return torch.where(positions < 0, -1, run_slots[runs.index_of_asked.to(device)])
+
+    def token_slots(self, positions, token_to_req, block_table, *, tokens_per_page, world_size, rank, token_interleave):
+        """vLLM's DCP token slot mapping (``v1/worker/block_table.py``) of the
+        asked (request, position) rows: -1 where another rank owns the token."""
+        runs, _, slots = self._run_token_slots(
+            positions, token_to_req, block_table, tokens_per_page, world_size, rank, token_interleave
+        )
+        return torch.where(positions < 0, -1, slots[runs.index_of_asked.to(positions.device)])
+
+    def _run_token_slots(self, positions, token_to_req, block_table, tokens_per_page, world_size, rank, interleave):
+        device = positions.device
+        runs = _PositionRuns(positions, token_to_req)
+        rows = _widened_rows(block_table[runs.requests.to(device)], runs.seq_lens, tokens_per_page * world_size)
+        token_slots = torch.empty(runs.num_tokens, dtype=torch.int64, device=device)
+        self._token_slot_kernel(
+            runs.requests.numel(),  # num_reqs
+            runs.num_tokens,
+            runs.num_tokens,  # max_num_tokens: no CUDA-graph padding to fill
+            runs.bounds.to(torch.int32).to(device),
+            runs.positions.to(device),
+            rows,
+            rows.stride(0),
+            token_slots,
+            tokens_per_page,
+            world_size,
+            rank,
+            interleave,
+        )
+        return runs, rows, token_slots
 
     # ---- stage 3 -----------------------------------------------------------
     def gather_heads(self, x, group, *, dim=1):

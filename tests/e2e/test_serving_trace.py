@@ -238,7 +238,7 @@ def check_geometry_once_per_step(ctx, layers, steps, prefill_gather: bool, calls
         pytest.param("a2a", True, marks=pytest.mark.stage(STAGE_PREFILL)),
     ],
 )
-@pytest.mark.scenario("multi_token_interleave", "v40_ratios")
+@pytest.mark.scenario("v40_ratios")
 def test_v40_shapes_serving_trace_matches_dcp1(dcp, backend, prefill_gather):
     dcp.run(check_serving_trace, backend=backend, prefill_gather=prefill_gather)
 
@@ -253,6 +253,9 @@ def test_v40_shapes_serving_trace_matches_dcp1(dcp, backend, prefill_gather):
 DSV41_TOPOLOGY = Dsv41Topology(compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3))
 # Ratio 1 only: a kv source and index source, and a layer reading both.
 DSV41_RATIO1_TOPOLOGY = Dsv41Topology(compress_ratios=(0, 1, 1), kv_source_layer_ids=(1,), index_source_layer_ids=(1,))
+# An interleave, and state kept across the layers of a step for the gather,
+# play a part only where the KV is sharded.
+MULTI_RANK = pytest.mark.world_sizes(2, 4, 8)
 PATHS = [
     pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked"),
     pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather"),
@@ -271,23 +274,21 @@ def check_dsv41_trace(ctx, *, topology, interleave_tokens, prefill_gather, prefi
     )
 
 
-# --cp-kv-cache-interleave-size over vLLM's page on the stage-3 path: 2 tokens
-# (one ratio-2 state, two ratio-1 states), 64, and 128 (what NIXL P/D picks: a
-# whole page); the gather path at 2 tokens.
-@pytest.mark.parametrize(
-    "prefill_gather, interleave_tokens",
-    [
-        pytest.param(False, 2, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked-I2"),
-        pytest.param(False, 64, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked-I64"),
-        pytest.param(False, 128, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked-I128"),
-        pytest.param(True, 2, marks=pytest.mark.stage(STAGE_PREFILL), id="gather-I2"),
-    ],
-)
-@pytest.mark.scenario("multi_token_interleave")
-def test_dsv41_topology_trace(dcp, prefill_gather, interleave_tokens):
-    dcp.run(
-        check_dsv41_trace, topology=DSV41_TOPOLOGY, interleave_tokens=interleave_tokens, prefill_gather=prefill_gather
-    )
+# --cp-kv-cache-interleave-size of 2 tokens (one ratio-2 state, two ratio-1
+# states) through both paths; then over vLLM's page on the stage-3 path: 64
+# tokens, and 128 (what NIXL P/D picks: a whole page).
+@pytest.mark.parametrize("prefill_gather", PATHS)
+@pytest.mark.scenario("dsv41_ratio2")
+def test_dsv41_topology_trace(dcp, prefill_gather):
+    dcp.run(check_dsv41_trace, topology=DSV41_TOPOLOGY, interleave_tokens=2, prefill_gather=prefill_gather)
+
+
+@pytest.mark.stage(STAGE_COMBINE)
+@MULTI_RANK
+@pytest.mark.parametrize("interleave_tokens", [64, 128], ids=lambda tokens: f"I{tokens}")
+@pytest.mark.scenario("dsv41_ratio2")
+def test_dsv41_interleave_sweep(dcp, interleave_tokens):
+    dcp.run(check_dsv41_trace, topology=DSV41_TOPOLOGY, interleave_tokens=interleave_tokens, prefill_gather=False)
 
 
 # Ratio 1, where a state is a token, with an interleave of two states: what
@@ -320,12 +321,13 @@ LAYER_ORDERS = [
     pytest.param(
         Dsv41Topology(compress_ratios=(1, 2, 1), kv_source_layer_ids=(0, 1, 2), index_source_layer_ids=(0, 1, 2)),
         id="interleaved_kv_groups",
-        marks=pytest.mark.scenario("multi_token_interleave"),
+        marks=pytest.mark.scenario("dsv41_ratio2"),
     ),
 ]
 
 
 @pytest.mark.stage(STAGE_PREFILL)
+@MULTI_RANK
 @pytest.mark.parametrize("topology", LAYER_ORDERS)
 def test_layer_order_within_a_step(dcp, topology):
     dcp.run(check_dsv41_trace, topology=topology, interleave_tokens=2, prefill_gather=True, prefill_token_chunk=None)

@@ -24,7 +24,7 @@ import os
 import torch
 
 from dcpcheck.impls.conventions import Conventions
-from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41 import reference_kernel, serving
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.layer import (
@@ -34,6 +34,7 @@ from dcpcheck.impls.dsv41.layer import (
     check_stage_gate,
     tree_refusal,
 )
+from dcpcheck.impls.dsv41.serving import ServingFindings
 from dcpcheck.impls.dsv41.tree import PortSpec, PortSpecError, PortTree
 
 __all__ = ["Dsv41Implementation", "PortSpecError"]
@@ -64,12 +65,45 @@ class Dsv41Implementation:
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
         self._layers_built = 0
         self._ratio_refusals: dict[int, str | None] = {}
+        self.findings = ServingFindings(
+            self.tree,
+            self.vllm,
+            lambda rank: self._filter_layer(
+                "cpu",
+                serving.PROBE_WORLD_SIZE,
+                rank,
+                serving.PROBE_INTERLEAVE_TOKENS // serving.PROBE_RATIO,
+                rho=serving.PROBE_RATIO,
+            ),
+        )
         # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
         self.cache_mirrors: dict[int, tuple] = {}
 
     def describe(self) -> str:
         tree = f"tree: {self.tree.spec.module}.{self.tree.spec.cls}"
-        return " | ".join((tree, f"kernel: {self.kernel}", *self.vllm.stand_ins))
+        writer = (
+            "the tree's metadata builder"
+            if self.findings.compressed_writer is None
+            else "vLLM's DCP writer stands in (the tree's places no state by DCP: finding 4)"
+        )
+        swa = (
+            "as the tree's spec"
+            if self.findings.swa_placement is None
+            else "replicated, as the port reads it (the tree's spec shards it: finding 5)"
+        )
+        return " | ".join(
+            (
+                tree,
+                f"kernel: {self.kernel}",
+                f"compressed write side: {writer}",
+                f"SWA cache: {swa}",
+                *self.vllm.stand_ins,
+            )
+        )
+
+    def serving_probes(self) -> dict[str, str | None]:
+        """What the tree's own code says of how it serves the port (:mod:`.serving`): name -> finding or None."""
+        return self.findings.by_name()
 
     def topk_buffer(self, device) -> torch.Tensor:
         """The model-wide top-k buffer every layer of this process shares (one per device)."""
@@ -107,15 +141,15 @@ class Dsv41Implementation:
             is_valid_token.bool(),
         )
 
-    def _filter_layer(self, device, world_size, rank, interleave):
-        """A rho = 1 layer of that rank (state = token, so the interleave is the same in both units)."""
-        key = (torch.device(device), world_size, rank, interleave)
+    def _filter_layer(self, device, world_size, rank, interleave, rho=1):
+        """A layer of that rank (rho = 1 by default: state = token, so the interleave is the same in both units)."""
+        key = (torch.device(device), world_size, rank, interleave, rho)
         layer = self._filter_layers.get(key)
         if layer is None:
             group = _FilterGroup(world_size, rank, device)
             spec = LayerSpec(
                 layer_id=0,
-                rho=1,
+                rho=rho,
                 bs=1,
                 interleave=interleave,
                 world_size=world_size,
@@ -228,7 +262,7 @@ class Dsv41Implementation:
 
     def known_defect(self, terms):
         """The port's own defects first, then vLLM's (the write side and the combine are the tree's), told by reach."""
-        own = port_defect(terms)
+        own = port_defect(terms, self.findings)
         inherited = inherited_defect(self.vllm.matching_defects(terms))
         return " / ".join(reason for reason in (own, inherited) if reason) or None
 

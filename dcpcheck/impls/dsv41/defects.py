@@ -20,38 +20,48 @@ OFF_PORT_PATH = {
 }
 
 INTERLEAVE_UNIT = (
-    "seed DCP2 port: the read side passes self.cp_kv_cache_interleave_size (vLLM's unit: tokens) as an "
-    "interleave in compressed states, to triton_filter_and_convert_dcp_index in _compressed_topk_to_slots and "
-    "to the remap in _dcp_prefill_gather (diff lines 'cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size' "
-    "and 'K = self.cp_kv_cache_interleave_size'), while vLLM's write side and its own indexer use "
-    "cp_kv_cache_interleave_size // compress_ratio: at W > 1 and compress ratio > 1 the ranks read states "
-    "other than those written (or the filter asserts BLOCK_SIZE % interleave); docs/dsv41.md, defect 1"
+    "the port's read side reads compressed states in another interleave unit than vLLM's DCP writer writes them "
+    "(the seed DCP2 port passes self.cp_kv_cache_interleave_size, vLLM's unit: tokens, as an interleave in "
+    "states, to triton_filter_and_convert_dcp_index in _compressed_topk_to_slots and to the remap in "
+    "_dcp_prefill_gather: diff lines 'cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size' and "
+    "'K = self.cp_kv_cache_interleave_size'; vLLM's writer and its own indexer use "
+    "cp_kv_cache_interleave_size // compress_ratio); docs/dsv41.md, finding 1; probed"
 )
+WRITE_SIDE_MISSING = "docs/dsv41.md, finding 4"
+SWA_PLACEMENT = "docs/dsv41.md, finding 5"
 STALE_INDEX_CACHE = (
     "seed DCP2 port: _dcp_prefill_gather caches the remapped top-k per step under "
     "'ikey = (topk_indices.data_ptr(), tuple(topk_indices.shape))', but every layer reads its top-k from the one "
     "model-wide topk_indices_buffer, so a second index-source layer of the same KV group in the step gets the "
-    "first one's slots; docs/dsv41.md, defect 2"
+    "first one's slots; docs/dsv41.md, finding 2"
 )
 
 STAGE_VALUE_EMPTY = (
     'seed DCP2 port: the builder gate reads \'int(os.environ.get("DSV41_DCP_STAGE", "3"))\', so '
     "DSV41_DCP_STAGE= (empty: unset) crashes the boot with ValueError: invalid literal for int(); "
-    "docs/dsv41.md, defect 3"
+    "docs/dsv41.md, finding 3"
 )
 STAGE_VALUE_NOT_INTEGER = (
     'seed DCP2 port: the builder gate\'s int(os.environ.get("DSV41_DCP_STAGE", "3")) refuses \'3a\' with '
     "\"invalid literal for int() with base 10: '3a'\", which names neither the variable nor what it accepts; "
-    "docs/dsv41.md, defect 3"
+    "docs/dsv41.md, finding 3"
 )
 
 
-def port_defect(terms) -> str | None:
-    if terms.world_size < 2 or "build_attention" not in terms.capabilities:
-        return None
+def port_defect(terms, findings) -> str | None:
+    """The port's own defects a case meets; ``findings``: the tree's
+    :class:`dcpcheck.impls.dsv41.serving.ServingFindings`, asked only where a case needs one."""
     reasons = []
-    if "multi_token_interleave" in terms.properties:
-        reasons.append(INTERLEAVE_UNIT)
+    if "tree_compressed_writer" in terms.properties and findings.compressed_writer:
+        reasons.append(f"{findings.compressed_writer}; {WRITE_SIDE_MISSING}")
+    if "tree_swa_placement" in terms.properties and findings.swa_placement:
+        reasons.append(f"{findings.swa_placement}; {SWA_PLACEMENT}")
+    if "tree_read_unit" in terms.properties and findings.read_unit:
+        reasons.append(f"{INTERLEAVE_UNIT}: {findings.read_unit}")
+    if terms.world_size < 2 or "build_attention" not in terms.capabilities:
+        return "; and ".join(reasons) or None
+    if "dsv41_ratio2" in terms.properties and findings.read_unit:
+        reasons.append(f"{INTERLEAVE_UNIT}: {findings.read_unit}")
     if "adjacent_index_sources" in terms.properties:
         reasons.append(STALE_INDEX_CACHE)
     if "stage_value_empty" in terms.properties:

@@ -11,10 +11,12 @@ import torch
 
 from dcpcheck.impls.dsv41.layer import (
     NULL_PAGE,
+    TOPK_TILE,
     LayerSpec,
     build_port_layer,
     padded_topk_width,
 )
+from dcpcheck.impls.dsv41.serving import build_compressed_metadata
 from dcpcheck.impls.dsv41.tree import patched
 
 
@@ -113,7 +115,6 @@ class PortAttention:
         swa_write_slots=None,
         block_table=None,
     ):
-        from vllm.models.deepseek_v41.sparse_mla import DeepseekV4FlashMLAMetadata
         from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 
         device = token_to_req.device
@@ -163,39 +164,18 @@ class PortAttention:
         )
         compressed = comp_write_slots = None
         if self.rho >= 1:
-            comp_write_slots = self.impl.slot_mapping(
-                torch.where(valid, positions, -1),
+            compressed, comp_write_slots = self._compressed_metadata(
+                seq_lens,
                 token_to_req,
+                positions,
+                valid,
                 block_table,
-                rho=self.rho,
-                bs=self.bs,
-                world_size=self.world_size,
-                rank=self.group.rank_in_group,
-                interleave=self.interleave,
+                request_order,
+                query_start,
+                order,
+                token_to_req_new,
+                num_rows,
             )
-            width = max(block_table.shape[1], -(-(self.max_model_len // self.rho) // self.bs))
-            wide = torch.full(
-                (request_order.numel(), width),
-                NULL_PAGE,
-                dtype=torch.int32,
-                device=device,
-            )
-            wide[:, : block_table.shape[1]] = block_table[request_order]
-            compressed = DeepseekV4FlashMLAMetadata(
-                num_reqs=request_order.numel(),
-                max_query_len=int(query_lens.max()) if query_lens.numel() else 0,
-                max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
-                num_actual_tokens=int(real_rows.numel()),
-                query_start_loc=query_start,
-                slot_mapping=torch.full((order.numel(),), -1, dtype=torch.int64, device=device),
-                block_table=wide,
-                req_id_per_token=token_to_req_new,
-                block_size=self.bs * self.rho,
-                topk_tokens=0,
-            )
-            # The port's stage-9 gather reads attn_metadata.seq_lens, a field the
-            # DCP2 stack's sparse_mla.py adds (vLLM 0.33.0's metadata lacks it).
-            compressed.seq_lens = seq_lens_new
         return StepMetadata(
             swa,
             compressed,
@@ -205,6 +185,72 @@ class PortAttention:
             swa_write_slots,
             self.layout,
         )
+
+    def _compressed_metadata(
+        self,
+        seq_lens,
+        token_to_req,
+        positions,
+        valid,
+        block_table,
+        request_order,
+        query_start,
+        order,
+        token_to_req_new,
+        num_rows,
+    ):
+        """The step's compressed metadata from the tree's builder, over block-table
+        rows as wide as max_model_len; and the compressed write slots (suite
+        order): the tree's, unless its writer places no state by DCP (then
+        vLLM's own DCP writer stands in, so the read side is still checked)."""
+        device = token_to_req.device
+        width = max(block_table.shape[1], -(-(self.max_model_len // self.rho) // self.bs))
+        wide = torch.full((request_order.numel(), width), NULL_PAGE, dtype=torch.int32, device=device)
+        wide[:, : block_table.shape[1]] = block_table[request_order]
+        live_positions = torch.where(valid, positions, -1)
+        token_slots = self.impl.vllm.token_slots(
+            live_positions,
+            token_to_req,
+            block_table,
+            tokens_per_page=self.bs * self.rho,
+            world_size=self.world_size,
+            rank=self.group.rank_in_group,
+            token_interleave=self.interleave * self.rho,
+        )
+        compressed = build_compressed_metadata(
+            self.impl.tree,
+            rho=self.rho,
+            tokens_per_page=self.bs * self.rho,
+            token_slots=token_slots[order],
+            query_start_loc=query_start,
+            seq_lens=seq_lens[request_order].to(torch.int32),
+            block_table=wide,
+            token_to_req=token_to_req_new,
+            num_actual_tokens=int(valid.sum()),
+            topk_tokens=TOPK_TILE,
+        )
+        if not hasattr(compressed, "seq_lens"):
+            # The port's stage-9 gather reads attn_metadata.seq_lens, a field the
+            # DCP2 stack's sparse_mla.py adds (vLLM 0.33.0's metadata lacks it):
+            # global sequence lengths, as the gather's page count reads them.
+            compressed.seq_lens = seq_lens[request_order].to(torch.int32)
+        if self.world_size == 1 or self.impl.findings.compressed_writer is None:
+            write_slots = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+            # The builder maps the step's real tokens (padding rows come after them).
+            mapped = compressed.slot_mapping[: order.numel()]
+            write_slots[order[: mapped.numel()]] = mapped.to(torch.int64)
+        else:
+            write_slots = self.impl.slot_mapping(
+                live_positions,
+                token_to_req,
+                block_table,
+                rho=self.rho,
+                bs=self.bs,
+                world_size=self.world_size,
+                rank=self.group.rank_in_group,
+                interleave=self.interleave,
+            )
+        return compressed, write_slots
 
     # ---- per layer -------------------------------------------------------
     def _port_layer(self, q_local: torch.Tensor, sink: torch.Tensor):

@@ -1,0 +1,259 @@
+"""How the tree serves the port, asked of the tree's own code: the compressed
+write side (its DSV4.1 metadata builder), the interleave unit of the port's
+read side, and where the sliding-window cache lives under DCP.
+
+Each question is a small probe run once, at W = 2, compress ratio 2 and a
+2-token ``--cp-kv-cache-interleave-size`` (one state per rank in turn, the
+smallest case where tokens and states differ). Its answer decides which
+findings the checks report and which write side the driver uses; vLLM's own
+DCP writer (``get_compressed_slot_mapping`` called with ``dcp_world_size``
+and ``cp_interleave``, as vLLM's indexer calls it) is the reference placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from contextlib import contextmanager
+
+import torch
+
+from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
+
+PROBE_WORLD_SIZE = 2
+PROBE_RATIO = 2
+PROBE_INTERLEAVE_TOKENS = 2
+PROBE_PAGE_TOKENS = 8
+PROBE_TOKENS = 32
+PROBE_TABLE_WIDTH = 8  # wider than a rank's pages: the columns after them are the null page, as vLLM's rows
+
+
+def build_compressed_metadata(
+    tree: PortTree,
+    *,
+    rho: int,
+    tokens_per_page: int,
+    token_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    num_actual_tokens: int,
+    topk_tokens: int,
+):
+    """The step's ``DeepseekV4FlashMLAMetadata`` from the tree's metadata
+    builder's ``build`` (its compressed slot mapping included). The builder's
+    state is what its ``__init__`` derives from the KV-cache spec; that
+    ``__init__`` needs vLLM's runner, so it is set here."""
+    builder_cls = getattr(tree.module({}), BUILDER_CLASS)
+    builder = builder_cls.__new__(builder_cls)
+    rows = max(int(token_slots.numel()), 1)
+    builder.compress_ratio = rho
+    builder.pcp_size, builder.pcp_rank = 1, 0
+    builder.topk_tokens = topk_tokens
+    builder.kv_cache_spec = types.SimpleNamespace(
+        block_size=tokens_per_page, num_states=tokens_per_page // rho, tokens_per_state=rho
+    )
+    builder.req_id_per_token_buffer = torch.empty(rows, dtype=torch.int32, device=token_slots.device)
+    builder.compressed_slot_mapping_buffer = torch.empty(rows, dtype=torch.int64, device=token_slots.device)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    common = types.SimpleNamespace(
+        num_reqs=int(seq_lens.numel()),
+        num_actual_tokens=num_actual_tokens,
+        max_query_len=int(query_lens.max()) if query_lens.numel() else 0,
+        max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        slot_mapping=token_slots,
+        block_table_tensor=block_table,
+        token_to_req_indices=lambda buffer: token_to_req,
+    )
+    return builder_cls.build(builder, 0, common)
+
+
+@contextmanager
+def _recording_writer_calls(tree: PortTree):
+    """The keyword arguments of every ``get_compressed_slot_mapping`` call the builder makes."""
+    builder_cls = getattr(tree.module({}), BUILDER_CLASS)
+    build_module = sys.modules[builder_cls.build.__module__]
+    writer = getattr(build_module, "get_compressed_slot_mapping", None)
+    calls: list[dict] = []
+    if writer is None:
+        yield calls
+        return
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return writer(*args, **kwargs)
+
+    with patched(build_module, get_compressed_slot_mapping=recorded):
+        yield calls
+
+
+def _probe_request(rank: int):
+    """One request of PROBE_TOKENS tokens on ``rank``: positions, its rows, and a block table
+    whose first pages are the rank's (pages 1, 2, ...), the rest the null page 0."""
+    positions = torch.arange(PROBE_TOKENS)
+    token_to_req = torch.zeros(PROBE_TOKENS, dtype=torch.int32)
+    block_table = torch.zeros((1, PROBE_TABLE_WIDTH), dtype=torch.int32)
+    local_pages = -(-PROBE_TOKENS // (PROBE_PAGE_TOKENS * PROBE_WORLD_SIZE))
+    block_table[0, :local_pages] = torch.arange(1, local_pages + 1) + 10 * rank
+    return positions, token_to_req, block_table
+
+
+def _dcp_writer_slots(vllm, rank: int) -> torch.Tensor:
+    """vLLM's DCP placement of the probe's states on ``rank``: [PROBE_TOKENS] slots, -1 where no state."""
+    positions, token_to_req, block_table = _probe_request(rank)
+    return vllm.slot_mapping(
+        positions,
+        token_to_req,
+        block_table,
+        rho=PROBE_RATIO,
+        bs=PROBE_PAGE_TOKENS // PROBE_RATIO,
+        world_size=PROBE_WORLD_SIZE,
+        rank=rank,
+        interleave=PROBE_INTERLEAVE_TOKENS // PROBE_RATIO,
+    )
+
+
+def writer_finding(tree: PortTree, vllm) -> str | None:
+    """Does the tree's builder place compressed states where vLLM's DCP writer does? None if it does."""
+    wrong = 0
+    written = 0
+    with _recording_writer_calls(tree) as calls:
+        for rank in range(PROBE_WORLD_SIZE):
+            positions, token_to_req, block_table = _probe_request(rank)
+            expected = _dcp_writer_slots(vllm, rank)
+            token_slots = vllm.token_slots(
+                positions,
+                token_to_req,
+                block_table,
+                tokens_per_page=PROBE_PAGE_TOKENS,
+                world_size=PROBE_WORLD_SIZE,
+                rank=rank,
+                token_interleave=PROBE_INTERLEAVE_TOKENS,
+            )
+            metadata = build_compressed_metadata(
+                tree,
+                rho=PROBE_RATIO,
+                tokens_per_page=PROBE_PAGE_TOKENS,
+                token_slots=token_slots,
+                query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32),
+                seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32),
+                block_table=block_table.clone(),
+                token_to_req=token_to_req,
+                num_actual_tokens=PROBE_TOKENS,
+                topk_tokens=0,
+            )
+            actual = metadata.slot_mapping[:PROBE_TOKENS].cpu()
+            wrong += int((actual != expected).sum())
+            written += int((expected >= 0).sum())
+    if not wrong:
+        return None
+    build = getattr(tree.module({}), BUILDER_CLASS).build
+    where = f"{build.__module__.replace('.', '/')}.py:{build.__qualname__}"
+    if calls and not any("dcp_world_size" in call for call in calls):
+        how = "passes no dcp_world_size to get_compressed_slot_mapping"
+    else:
+        how = "places compressed states elsewhere than vLLM's DCP writer"
+    return (
+        f"the write side of the DCP2 port is missing: {where} {how} (W={PROBE_WORLD_SIZE}, compress ratio "
+        f"{PROBE_RATIO}, a {PROBE_INTERLEAVE_TOKENS}-token interleave: {wrong} of {PROBE_TOKENS * PROBE_WORLD_SIZE} "
+        f"token rows get another slot; vLLM's DCP writer writes {written} states)"
+    )
+
+
+def reader_finding(build_layer, vllm) -> str | None:
+    """Does the port's read side (``_compressed_topk_to_slots``) read each state where vLLM's DCP
+    writer put it? ``build_layer(rank)``: a ratio-2 layer of the probe's layout. None if it does."""
+    num_states = PROBE_TOKENS // PROBE_RATIO
+    problems = []
+    for rank in range(PROBE_WORLD_SIZE):
+        _, _, block_table = _probe_request(rank)
+        written = _dcp_writer_slots(vllm, rank)
+        # State c is written by its last token, position (c + 1) * ratio - 1 (-1: on another rank).
+        state_slots = written[PROBE_RATIO - 1 :: PROBE_RATIO]
+        layer = build_layer(rank)
+        # One row per state, each asking for that state alone: the compacted
+        # output then says which slot the read side gives each state.
+        topk = torch.full((num_states, layer.topk_indices_buffer.shape[1]), -1, dtype=torch.int32)
+        topk[:, 0] = torch.arange(num_states)
+        try:
+            slots, lens = layer._compressed_topk_to_slots(
+                topk,
+                torch.zeros(num_states, dtype=torch.int32),
+                block_table,
+                PROBE_PAGE_TOKENS // PROBE_RATIO,
+                torch.ones(num_states, dtype=torch.bool),
+            )
+        except (AssertionError, ValueError, RuntimeError) as exc:
+            problems.append(f"rank {rank} raised {type(exc).__name__}: {exc}")
+            continue
+        read = torch.where(lens > 0, slots[:, 0].long(), -1)
+        misplaced = int((read != state_slots).sum())
+        if misplaced:
+            problems.append(
+                f"rank {rank} reads {misplaced} of the {num_states} states elsewhere than they were written"
+            )
+    if not problems:
+        return None
+    return (
+        f"at W={PROBE_WORLD_SIZE}, compress ratio {PROBE_RATIO} and a {PROBE_INTERLEAVE_TOKENS}-token interleave "
+        f"(one state per rank in turn), each of {num_states} states asked alone: " + "; ".join(problems)
+    )
+
+
+def swa_finding(tree: PortTree) -> str | None:
+    """Is the tree's sliding-window cache stored as the port reads it (replicated on every DCP rank)?"""
+    cls = getattr(tree.module({}), tree.spec.cls)
+    base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
+    swa_cls = sys.modules[base.__module__].DeepseekV4SWACache
+    cache = swa_cls.__new__(swa_cls)
+    cache.__dict__.update(
+        bounded_replay=False,
+        block_size=32,
+        head_dim=512,
+        dtype=torch.bfloat16,
+        window_size=128,
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        packed_bytes_per_token=584,
+        packed_page_alignment=576,
+        packed_block_stride_alignment=None,
+    )
+    spec = swa_cls.get_kv_cache_spec(cache, None)
+    if not getattr(spec, "dcp_sharded", False):
+        return None
+    return (
+        f"the sliding-window cache is DCP-sharded in the tree: {swa_cls.__module__}.{swa_cls.__name__}."
+        f"get_kv_cache_spec builds a {type(spec).__name__} with dcp_sharded=True (AttentionSpec's default, "
+        "vllm/v1/kv_cache_interface.py), which vLLM 0.33.0 refuses under DCP (SlidingWindowSpec."
+        "max_memory_usage_bytes: 'DCP not support sliding window'), while the port reads the window replicated "
+        "(_run_sm120_dcp attends it on DCP rank 0; SWA-only layers keep the DCP1 path)"
+    )
+
+
+class ServingFindings:
+    """The probes' answers for one tree, each asked once, when first needed."""
+
+    def __init__(self, tree: PortTree, vllm, build_layer):
+        self._tree, self._vllm, self._build_layer = tree, vllm, build_layer
+
+    @functools.cached_property
+    def compressed_writer(self) -> str | None:
+        return writer_finding(self._tree, self._vllm)
+
+    @functools.cached_property
+    def read_unit(self) -> str | None:
+        return reader_finding(self._build_layer, self._vllm)
+
+    @functools.cached_property
+    def swa_placement(self) -> str | None:
+        return swa_finding(self._tree)
+
+    def by_name(self) -> dict[str, str | None]:
+        return {
+            "compressed writer": self.compressed_writer,
+            "read side's interleave unit": self.read_unit,
+            "sliding-window cache placement": self.swa_placement,
+        }
