@@ -69,7 +69,7 @@ class Dsv41Implementation:
             self.tree,
             self.vllm,
             lambda rank: self._filter_layer(
-                "cpu",
+                serving.probe_device(),
                 serving.PROBE_WORLD_SIZE,
                 rank,
                 serving.PROBE_INTERLEAVE_TOKENS // serving.PROBE_RATIO,

@@ -8,12 +8,16 @@ module gives both the kernel's documented contract, in plain torch:
 * ``query``/``out`` ``[T, H, D]`` bf16; caches paged ``[blocks, block_size, 1, D]``;
 * candidates as prefix + lengths: row t attends ``indices[t, :lens[t]]`` (flat
   slots ``block * block_size + offset``) of each cache; entries past the length
-  are never read, a ``-1`` inside it is a caller bug the real kernel would read
-  out of bounds, so it raises here;
+  are never read, and a ``-1`` marks an invalid slot, which is skipped;
 * ``lse`` ``[T, H]`` fp32, base 2, of the ``sm_scale``-scaled logits with the
   sink folded in, and ``out`` divided by the same denominator;
-* a row with no candidate and no sink: ``out = 0``, ``lse = EMPTY_LSE``
-  (-1e29, the value the port's own ``_SM120_EMPTY_LSE`` names).
+* a row with no candidate and no sink: ``out = 0``, ``lse = -inf``.
+
+The last two are FlashInfer 0.7.4's, from its sparse-MLA SM120 paged attention
+(``flashinfer/mla/_sparse_mla_sm120/_api.py``: "``-1`` marks invalid slots";
+"its output is zero and its LSE is ``-inf`` when no sink contributes"); the
+seed's own ``_SM120_EMPTY_LSE = -1e29`` and its docstring's ``-1e30`` are not
+what that release writes.
 
 It is written from that contract alone, apart from the suite's oracle, so a
 bug in one does not hide the same bug in the other.
@@ -25,7 +29,7 @@ import math
 
 import torch
 
-EMPTY_LSE = -1e29
+EMPTY_LSE = -math.inf
 KERNEL_HEADS = (8, 16, 32, 64, 128)  # h_q the SM120 specializations exist for
 
 
@@ -41,15 +45,9 @@ def _candidate_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tens
     if lens is None:
         valid = slots >= 0
     else:
-        valid = torch.arange(width, device=slots.device)[None, :] < lens.long()[:, None]
         if bool((lens.long() > width).any()):
             raise KernelContractError(f"{what}: a length exceeds the index width {width}")
-        if bool((valid & (slots < 0)).any()):
-            token = int((valid & (slots < 0)).any(dim=1).nonzero()[0])
-            raise KernelContractError(
-                f"{what}: token {token} has -1 among its first {int(lens[token])} indices "
-                "(the kernel reads every index below the length)"
-            )
+        valid = (torch.arange(width, device=slots.device)[None, :] < lens.long()[:, None]) & (slots >= 0)
     flat = cache.reshape(-1, cache.shape[-1])
     if bool((valid & (slots >= flat.shape[0])).any()):
         raise KernelContractError(f"{what}: a slot is past the end of the cache ({flat.shape[0]} rows)")

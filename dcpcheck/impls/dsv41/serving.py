@@ -91,14 +91,20 @@ def _recording_writer_calls(tree: PortTree):
         yield calls
 
 
+def probe_device() -> torch.device:
+    """Where the probes run: vLLM's kernels are compiled for the GPU where there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _probe_request(rank: int):
     """One request of PROBE_TOKENS tokens on ``rank``: positions, its rows, and a block table
     whose first pages are the rank's (pages 1, 2, ...), the rest the null page 0."""
-    positions = torch.arange(PROBE_TOKENS)
-    token_to_req = torch.zeros(PROBE_TOKENS, dtype=torch.int32)
-    block_table = torch.zeros((1, PROBE_TABLE_WIDTH), dtype=torch.int32)
+    device = probe_device()
+    positions = torch.arange(PROBE_TOKENS, device=device)
+    token_to_req = torch.zeros(PROBE_TOKENS, dtype=torch.int32, device=device)
+    block_table = torch.zeros((1, PROBE_TABLE_WIDTH), dtype=torch.int32, device=device)
     local_pages = -(-PROBE_TOKENS // (PROBE_PAGE_TOKENS * PROBE_WORLD_SIZE))
-    block_table[0, :local_pages] = torch.arange(1, local_pages + 1) + 10 * rank
+    block_table[0, :local_pages] = torch.arange(1, local_pages + 1, device=device) + 10 * rank
     return positions, token_to_req, block_table
 
 
@@ -139,14 +145,14 @@ def writer_finding(tree: PortTree, vllm) -> str | None:
                 rho=PROBE_RATIO,
                 tokens_per_page=PROBE_PAGE_TOKENS,
                 token_slots=token_slots,
-                query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32),
-                seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device=positions.device),
+                seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32, device=positions.device),
                 block_table=block_table.clone(),
                 token_to_req=token_to_req,
                 num_actual_tokens=PROBE_TOKENS,
                 topk_tokens=0,
             )
-            actual = metadata.slot_mapping[:PROBE_TOKENS].cpu()
+            actual = metadata.slot_mapping[:PROBE_TOKENS]
             wrong += int((actual != expected).sum())
             written += int((expected >= 0).sum())
     if not wrong:
@@ -175,17 +181,18 @@ def reader_finding(build_layer, vllm) -> str | None:
         # State c is written by its last token, position (c + 1) * ratio - 1 (-1: on another rank).
         state_slots = written[PROBE_RATIO - 1 :: PROBE_RATIO]
         layer = build_layer(rank)
+        device = block_table.device
         # One row per state, each asking for that state alone: the compacted
         # output then says which slot the read side gives each state.
-        topk = torch.full((num_states, layer.topk_indices_buffer.shape[1]), -1, dtype=torch.int32)
-        topk[:, 0] = torch.arange(num_states)
+        topk = torch.full((num_states, layer.topk_indices_buffer.shape[1]), -1, dtype=torch.int32, device=device)
+        topk[:, 0] = torch.arange(num_states, device=device)
         try:
             slots, lens = layer._compressed_topk_to_slots(
                 topk,
-                torch.zeros(num_states, dtype=torch.int32),
+                torch.zeros(num_states, dtype=torch.int32, device=device),
                 block_table,
                 PROBE_PAGE_TOKENS // PROBE_RATIO,
-                torch.ones(num_states, dtype=torch.bool),
+                torch.ones(num_states, dtype=torch.bool, device=device),
             )
         except (AssertionError, ValueError, RuntimeError) as exc:
             problems.append(f"rank {rank} raised {type(exc).__name__}: {exc}")
