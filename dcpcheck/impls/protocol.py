@@ -62,6 +62,7 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "tree_read_unit": "the interleave unit the port's read side uses, against vLLM's DCP writer",
     "tree_swa_placement": "where the tree's KV-cache spec keeps the sliding-window cache under DCP, against "
     "where the port reads it",
+    "tree_kernel_call": "the port's call of the attention kernel, against the installed kernel library's signature",
     "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
     "its own top-k into the one model-wide top-k buffer in the same step",
     "v40_ratios": "layers of DeepSeek-V4.0's compress ratios 4 (C4A) and 128 (C128A), which DeepSeek-V4.1 "
@@ -250,7 +251,8 @@ class DcpImplementation(Protocol):
         """For an implementation built on a serving stack: how that stack
         writes and stores what the port reads, asked of its own code. Probe
         name ("compressed writer", "read side's interleave unit",
-        "sliding-window cache placement") -> what disagrees, or None."""
+        "sliding-window cache placement", "FlashInfer kernel call") -> what
+        disagrees, or None."""
         ...
 
     def build_attention(self, layout, group, **options):

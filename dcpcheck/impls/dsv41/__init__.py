@@ -27,6 +27,7 @@ from dcpcheck.impls.conventions import Conventions
 from dcpcheck.impls.dsv41 import reference_kernel, serving
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
+from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source
 from dcpcheck.impls.dsv41.layer import (
     TOPK_TILE,
     LayerSpec,
@@ -241,6 +242,11 @@ class Dsv41Implementation:
         reason = self.vllm.unavailable_reason(terms)
         if reason:
             return reason
+        if "tree_kernel_call" in terms.properties and flashinfer_kernel_source() is None:
+            return (
+                "needs FlashInfer's sources on sys.path, to read the SM120 kernel's signature (the "
+                "flashinfer-python wheel vLLM pins: 0.7.2.post1 for vLLM 0.33.0; read, never imported)"
+            )
         if "v40_ratios" in terms.properties:
             refusals = [refusal for refusal in map(self._ratio_refusal, (4, 128)) if refusal]
             if refusals:

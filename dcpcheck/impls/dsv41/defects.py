@@ -29,6 +29,7 @@ INTERLEAVE_UNIT = (
 )
 WRITE_SIDE_MISSING = "docs/dsv41.md, finding 4"
 SWA_PLACEMENT = "docs/dsv41.md, finding 5"
+KERNEL_CALL = "docs/dsv41.md, finding 6"
 STALE_INDEX_CACHE = (
     "seed DCP2 port: _dcp_prefill_gather caches the remapped top-k per step under "
     "'ikey = (topk_indices.data_ptr(), tuple(topk_indices.shape))', but every layer reads its top-k from the one "
@@ -56,6 +57,8 @@ def port_defect(terms, findings) -> str | None:
         reasons.append(f"{findings.compressed_writer}; {WRITE_SIDE_MISSING}")
     if "tree_swa_placement" in terms.properties and findings.swa_placement:
         reasons.append(f"{findings.swa_placement}; {SWA_PLACEMENT}")
+    if "tree_kernel_call" in terms.properties and findings.kernel_call:
+        reasons.append(f"{findings.kernel_call}; {KERNEL_CALL}")
     if "tree_read_unit" in terms.properties and findings.read_unit:
         reasons.append(f"{INTERLEAVE_UNIT}: {findings.read_unit}")
     if terms.world_size < 2 or "build_attention" not in terms.capabilities:

@@ -13,7 +13,7 @@ module gives both the kernel's documented contract, in plain torch:
   sink folded in, and ``out`` divided by the same denominator;
 * a row with no candidate and no sink: ``out = 0``, ``lse = -inf``.
 
-The last two are FlashInfer 0.7.4's, from its sparse-MLA SM120 paged attention
+The last two are FlashInfer's (0.7.2.post1, vLLM 0.33.0's pin, and 0.7.4), from its sparse-MLA SM120 paged attention
 (``flashinfer/mla/_sparse_mla_sm120/_api.py``: "``-1`` marks invalid slots";
 "its output is zero and its LSE is ``-inf`` when no sink contributes"); the
 seed's own ``_SM120_EMPTY_LSE = -1e29`` and its docstring's ``-1e30`` are not

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 
 PROBE_WORLD_SIZE = 2
@@ -258,9 +259,16 @@ class ServingFindings:
     def swa_placement(self) -> str | None:
         return swa_finding(self._tree)
 
+    @functools.cached_property
+    def kernel_call(self) -> str | None:
+        """None also where FlashInfer's sources are not there to read (the check then skips)."""
+        kernel_file = flashinfer_kernel_source()
+        return None if kernel_file is None else kernel_call_finding(self._tree.module({}).__file__, kernel_file)
+
     def by_name(self) -> dict[str, str | None]:
         return {
             "compressed writer": self.compressed_writer,
             "read side's interleave unit": self.read_unit,
             "sliding-window cache placement": self.swa_placement,
+            "FlashInfer kernel call": self.kernel_call,
         }
