@@ -1,8 +1,8 @@
 """``python -m dcpcheck``: the main job.
 
 Runs the staged suite (every stage test, not the harness self-tests) on the
-chosen implementation and prints the stage table; any extra arguments go to
-pytest (``--dcp-impl``, ``--world-sizes``, ``-k``, ...).
+chosen implementation and ends with the stage table; any extra arguments go
+to pytest (``--dcp-impl``, ``--world-sizes``, ``-k``, ``-rs``, ...).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 4
     args = list(sys.argv[1:] if argv is None else argv)
-    return int(pytest.main(["-q", *targets, *args]))
+    # Failures, errors and expected failures in pytest's summary; the skips are
+    # summed by reason under the stage table (``-rs`` lists each again).
+    return int(pytest.main(["-q", "-rfExX", *targets, *args]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The stage x outcome table at the end of a run, so a run says at a glance
-which stages hold."""
+which stages hold; after pytest's own short summary, and with the skips
+summed by reason."""
 
 from __future__ import annotations
+
+import pytest
 
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
 from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
@@ -12,8 +15,22 @@ OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 COLUMNS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after the short test summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    yield
+    write_stage_table(terminalreporter, config)
+
+
+def skip_reason_of(report) -> str:
+    """A skipped report's reason, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def write_stage_table(terminalreporter, config) -> None:
     counts: dict = {}
+    skip_reasons: dict[str, int] = {}
     off_path: dict = {}  # stage -> expected failures of library functions the implementation never reaches
     gpu_peaks: dict[str, int] = {}
     for outcome in OUTCOMES:
@@ -26,6 +43,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             stage = properties.get("dcp_stage")
             if stage is None or (report.when != "call" and outcome == "passed"):
                 continue
+            if outcome == "skipped":
+                reason = skip_reason_of(report)
+                skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
             if outcome == "xfailed" and f": {NOT_ON_PORT_PATH}" in getattr(report, "wasxfail", ""):
                 off_path[stage] = off_path.get(stage, 0) + 1
                 continue
@@ -54,6 +74,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"vLLM functions, not on the port's path: {sum(off_path.values())} xfailed ({per_stage}), not counted above"
         )
+    if skip_reasons:
+        terminalreporter.write_line("skipped, by reason (each test under -rs):")
+        for reason, count in sorted(skip_reasons.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:>5}  {reason}")
     if gpu_peaks:
         # The largest case per GPU: what a runner must have free to run this selection.
         peaks = ", ".join(f"{gpu} {peak / 2**30:.2f} GiB" for gpu, peak in sorted(gpu_peaks.items()))
