@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from dcpcheck.compare import MismatchError
+from dcpcheck.checks.serving_probes import check_serving_probe
 from dcpcheck.stages import STAGE_INDEX
 
 pytestmark = [pytest.mark.stage(STAGE_INDEX), pytest.mark.needs("serving_probes"), pytest.mark.world_sizes(1)]
-
-
-def check_serving_probe(ctx, *, name):
-    finding = ctx.impl.serving_probes()[name]
-    if finding is not None:
-        raise MismatchError(f"{name}: {finding}")
 
 
 @pytest.mark.scenario("tree_compressed_writer")

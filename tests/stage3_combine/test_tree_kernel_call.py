@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.serving_probes import check_serving_probe
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage1_index.test_tree_placement import check_serving_probe
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("serving_probes"), pytest.mark.world_sizes(1)]
 
