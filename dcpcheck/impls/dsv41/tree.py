@@ -141,7 +141,7 @@ class PortTree:
         if missing:
             raise PortSpecError(
                 f"{spec.module}.{spec.cls} is not a DCP2 port: it lacks {', '.join(missing)}. "
-                f"Apply the DCP2 diff to this tree (README, 'Checking your DCP2 port')"
+                f"Apply the DCP2 diff to this tree (README, 'Check your DCP2 port')"
             )
 
     def module(self, environ: dict[str, str]) -> types.ModuleType:
