@@ -108,7 +108,8 @@ def _stop_at_weights(*args, **kwargs):
     raise _WeightsReached
 
 
-def _attention_base(cls):
+def attention_base(cls):
+    """The tree's DeepseekV4Attention among the bases of its attention class."""
     return next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
 
 
@@ -142,7 +143,7 @@ def tree_refusal(tree: PortTree, rho: int) -> str | None:
         hf_config=_hf_config(topology, local_heads=8, head_dim=64, window=8),
     )
     try:
-        _run_tree_init_head(_attention_base(cls).__init__, cls.__new__(cls), config, "model.layers.0.attn", None)
+        _run_tree_init_head(attention_base(cls).__init__, cls.__new__(cls), config, "model.layers.0.attn", None)
     except ValueError as exc:
         return str(exc)
     return None
@@ -219,7 +220,7 @@ def build_port_layer(
         overrides[PREFILL_GATHER_ENV] = "1" if prefill_gather else "0"
     module = tree.module(dict(os.environ, **overrides))
     cls = getattr(module, tree.spec.cls)
-    base = _attention_base(cls)
+    base = attention_base(cls)
     base_module = sys.modules[base.__module__]
     tree_init = base.__init__
     interleave_tokens = spec.interleave * max(spec.rho, 1)

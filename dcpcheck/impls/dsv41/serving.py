@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
+from dcpcheck.impls.dsv41.layer import attention_base
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 
 PROBE_WORLD_SIZE = 2
@@ -215,8 +216,7 @@ def reader_finding(build_layer, vllm) -> str | None:
 def swa_finding(tree: PortTree) -> str | None:
     """Is the tree's sliding-window cache stored as the port reads it (replicated on every DCP rank)?"""
     cls = getattr(tree.module({}), tree.spec.cls)
-    base = next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
-    swa_cls = sys.modules[base.__module__].DeepseekV4SWACache
+    swa_cls = sys.modules[attention_base(cls).__module__].DeepseekV4SWACache
     cache = swa_cls.__new__(swa_cls)
     cache.__dict__.update(
         bounded_replay=False,
