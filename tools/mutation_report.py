@@ -2,7 +2,8 @@
 
 Runs the stage tests against every mutant of ``dcpcheck.mutants.catalog``
 (each in its own pytest process, stopping at the first failure, its own
-stage's tests first), then against the clean port, and prints a matrix
+stage's tests first; from the second seed on, the test that killed it first),
+then against the clean port, and prints a matrix
 mutant x stage saying which test killed each mutant, and the kill rate.
 
 A mutant counts as killed only when a test FAILED (pytest exit code 1 with a
@@ -204,8 +205,9 @@ def show(name: str) -> int:
     return 0
 
 
-def pytest_command(target: Target, junit: Path, args, seed: int) -> list[str]:
-    command = [sys.executable, "-m", "pytest", *target.dirs, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+def pytest_command(target: Target, junit: Path, args, seed: int, only: str | None = None) -> list[str]:
+    tests = [only] if only else target.dirs
+    command = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     command += ["--dcp-impl", target.spec, "--dcp-timeout", f"{args.dcp_timeout:g}", "--dcp-seed", str(seed)]
     if target.is_mutant:
         command.append("-x")  # the first failure kills it; the clean port runs every test
@@ -214,16 +216,17 @@ def pytest_command(target: Target, junit: Path, args, seed: int) -> list[str]:
     return command
 
 
-def run_target(target: Target, workdir: Path, args, seed: int) -> Run:
+def run_target(target: Target, workdir: Path, args, seed: int, only: str | None = None) -> Run:
+    """One pytest process: every test of the target's stage order, or ``only`` that node id."""
     if target.stale:
         return Run(target, None, 0.0, seed)
-    junit = workdir / f"{target.name}-seed{seed}.xml"
+    junit = workdir / f"{target.name}-seed{seed}{'-first' if only else ''}.xml"
     # The report checks every stage: an inherited stage limit would skip tests.
     env = {key: value for key, value in os.environ.items() if key != STAGE_ENV}
     start = time.perf_counter()
     # A session of its own: at the limit one killpg ends pytest and everything it started.
     process = subprocess.Popen(
-        pytest_command(target, junit, args, seed),
+        pytest_command(target, junit, args, seed, only),
         cwd=ROOT,
         env=env,
         start_new_session=True,
@@ -242,6 +245,23 @@ def run_target(target: Target, workdir: Path, args, seed: int) -> Run:
     if junit.exists():
         run.cases = read_junit(junit)
     return run
+
+
+def run_seeds(target: Target, workdir: Path, args) -> list[Run]:
+    """A mutant's runs, seed by seed. From the second seed on, the test that
+    killed it at an earlier seed runs alone first (mutmut's order, the last
+    killer first): its failure is a kill at that seed; when it passes, the
+    whole stage order runs."""
+    runs: list[Run] = []
+    killer = None
+    for seed in args.seeds:
+        first = run_target(target, workdir, args, seed, only=killer) if killer else None
+        run = first if first is not None and first.killer is not None else run_target(target, workdir, args, seed)
+        if first is not None and run is not first:
+            run.seconds += first.seconds
+        runs.append(run)
+        killer = killer or (run.killer.nodeid if run.killer else None)
+    return runs
 
 
 def _nodeid(classname: str, name: str) -> str:
@@ -451,19 +471,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     runs: dict[str, list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="mutation-report-") as workdir, ThreadPoolExecutor(args.jobs) as pool:
-        # The clean port runs every test, the longest run: it starts first.
-        futures = [
-            pool.submit(run_target, target, Path(workdir), args, seed)
-            for target in [clean, *targets]
-            for seed in args.seeds
-        ]
+        # The clean port runs every test at every seed, the longest runs: they start first.
+        futures = [pool.submit(lambda seed=seed: [run_target(clean, Path(workdir), args, seed)]) for seed in args.seeds]
+        futures += [pool.submit(run_seeds, target, Path(workdir), args) for target in targets]
         for done, future in enumerate(as_completed(futures), 1):
-            run = future.result()
-            runs.setdefault(run.target.name, []).append(run)
-            progress = (
-                f"[{done}/{len(futures)}] {run.target.name} seed {run.seed}: {run.verdict} in {run.seconds:.0f} s"
-            )
-            print(progress, file=sys.stderr, flush=True)
+            seeded = future.result()
+            runs.setdefault(seeded[0].target.name, []).extend(seeded)
+            times = ", ".join(f"seed {run.seed}: {run.verdict} in {run.seconds:.0f} s" for run in seeded)
+            print(f"[{done}/{len(futures)}] {seeded[0].target.name} {times}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
 
     outcomes = {name: Outcome(sorted(seeded, key=lambda run: run.seed)) for name, seeded in runs.items()}

@@ -62,6 +62,8 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "tree_read_unit": "the interleave unit the port's read side uses, against vLLM's DCP writer",
     "tree_swa_placement": "where the tree's KV-cache spec keeps the sliding-window cache under DCP, against "
     "where the port reads it",
+    "stage3_prefill_trace": "a serving trace whose prefill rows go through the stage-3 combine in token "
+    "sub-chunks, every row of every compressed layer",
     "tree_kernel_call": "the port's call of the attention kernel, against the installed kernel library's signature",
     "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
     "its own top-k into the one model-wide top-k buffer in the same step",

@@ -126,6 +126,12 @@ class InProcessRanks:
         self.abandoned: list[DcpGroup] = []
         self.calls_per_test: dict[str, itertools.count] = {}
         self.decisions_per_test: dict[str, itertools.count] = {}
+        # torchrun's SIGTERM outside a case thread's run (between cases, or
+        # while a case is being reported) is remembered, never fatal: the
+        # report must reach rank 0's JUnit file, and the next case stops the
+        # session instead of waiting on peers that are gone.
+        self.sigterm_seen = False
+        signal.signal(signal.SIGTERM, self._remember_sigterm)
 
     def decide_before_launch(self, case_id: str, ask, *, timeout: float):
         """Rank 0 asks; every rank takes its answers from the store, so all
@@ -160,11 +166,13 @@ class InProcessRanks:
         started = time.perf_counter()
         before = descendants(os.getpid())
         faulthandler.dump_traceback_later(timeout + WEDGED_EXIT_S, exit=True, file=sys.stderr)
-        previous_sigterm = signal.signal(signal.SIGTERM, _raise_job_stopping)
+        signal.signal(signal.SIGTERM, _raise_job_stopping)
         real_exit = os._exit
         os._exit = self._reporting_exit(key, real_exit)
         stopping = None
         try:
+            if self.sigterm_seen:
+                raise _JobStopping()
             if self.group is None:
                 self.group = self._new_dcp_group()
             self.group.collective_calls = 0
@@ -177,18 +185,17 @@ class InProcessRanks:
             self.board.post(key, report)
             reports = self.board.verdict(key, deadline=started + timeout + REPORT_GRACE_S)
         except _JobStopping:
-            stopping = "torchrun is ending the job (SIGTERM), typically because a peer's process ended"
+            self.sigterm_seen = True
             reports = self.board.read(key)
         finally:
+            signal.signal(signal.SIGTERM, self._remember_sigterm)
             os._exit = real_exit
-            signal.signal(signal.SIGTERM, previous_sigterm)
             faulthandler.cancel_dump_traceback_later()
             end_case_processes(before)  # also when the case was cut short
+        if self.sigterm_seen:
+            stopping = "torchrun is ending the job (SIGTERM), typically because a peer's process ended"
         result = self._result(reports, timeout, stopping)
         result.seconds = time.perf_counter() - started
-        if result.stop_session:
-            # torchrun's SIGTERM (a peer ended) must not cut this rank's report short.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not result.ok:
             # A failed case may have left collectives unmatched, or a thread in
             # one: the next case starts on a fresh group.
@@ -217,6 +224,9 @@ class InProcessRanks:
             if peer_failed is None and self.board.any_failure(key):
                 peer_failed = time.perf_counter()
         return RankReport(self.rank, outcome=thread.outcome)
+
+    def _remember_sigterm(self, signum, frame) -> None:
+        self.sigterm_seen = True
 
     def _abandon(self, thread: _CaseThread) -> None:
         """Under NCCL, abort the stuck group's communicator so that the stuck

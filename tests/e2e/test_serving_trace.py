@@ -271,7 +271,11 @@ DSV41_RATIO1_TOPOLOGY = Dsv41Topology(compress_ratios=(0, 1, 1), kv_source_layer
 # play a part only where the KV is sharded.
 MULTI_RANK = pytest.mark.world_sizes(2, 4, 8)
 PATHS = [
-    pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked"),
+    pytest.param(
+        False,
+        marks=[pytest.mark.stage(STAGE_COMBINE), pytest.mark.scenario("stage3_prefill_trace")],
+        id="stage3_chunked",
+    ),
     pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather"),
 ]
 
