@@ -7,6 +7,7 @@ names what differs, the worst error and where (token, head, dim / slot).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,12 @@ from dcpcheck.oracle.attention import EMPTY_LSE, is_empty_lse
 
 class MismatchError(AssertionError):
     """A result differs from its reference; the message says where and by how much."""
+
+
+# The first line of each comparison failure raised here (assert_close's and
+# fail_if_problems'): what was compared, where, and how much of it is off.
+# A known defect must explain every such line of a failure.
+HEADLINE = re.compile(r" \d+ of \d+ elements out of tolerance \(|: \d+ problem\(s\)$")
 
 
 # ---- exact comparisons (index tensors, counts, slot sets) ------------------

@@ -81,6 +81,31 @@ NOT_ON_PORT_PATH = "vLLM function, not on the port's path"
 
 
 @dataclass(frozen=True)
+class KnownFailure:
+    """A known defect, as ``known_defect`` answers it: why the case fails
+    (``reason``, the expected failure's text) and how (``shows``, a regular
+    expression the failure's text matches when this defect is the cause). A
+    case marked with it that fails without a match fails: a known defect
+    explains its own failure and never hides another bug."""
+
+    reason: str
+    shows: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+    @staticmethod
+    def joined(answers) -> KnownFailure | None:
+        """Several defects of one case: either may be what fails it."""
+        answers = [answer for answer in answers if answer]
+        if len(answers) < 2:
+            return answers[0] if answers else None
+        return KnownFailure(
+            "; and ".join(answer.reason for answer in answers), "|".join(f"(?:{answer.shows})" for answer in answers)
+        )
+
+
+@dataclass(frozen=True)
 class CaseTerms:
     """A case in the contract's terms, as the harness hands it to
     ``unavailable_reason`` and ``known_defect`` before launch (and a rank
@@ -243,10 +268,12 @@ class DcpImplementation(Protocol):
     def unavailable_reason(self, terms: CaseTerms) -> str | None:
         """Why this case cannot run here (the test is skipped with it), or None."""
 
-    def known_defect(self, terms: CaseTerms) -> str | None:
+    def known_defect(self, terms: CaseTerms) -> KnownFailure | str | None:
         """A known defect of this implementation that makes this case fail
         (the test becomes an expected failure with it, and still runs), or
-        None."""
+        None. A :class:`KnownFailure` also says how the case fails, and a
+        failure that does not show it fails the test; a plain string
+        explains any failure of the case."""
 
     # ---- the gate ---------------------------------------------------------
     def serving_probes(self) -> dict[str, str | None]:

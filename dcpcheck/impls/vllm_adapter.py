@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES, CaseTerms
+from dcpcheck.impls.protocol import COMBINE_BACKENDS, LSE_BASES, CaseTerms, KnownFailure
 from dcpcheck.impls.vllm_stand_ins import install_stand_ins
 from dcpcheck.port.triton_env import ensure_triton_mode
 
@@ -68,6 +68,7 @@ class KnownDefect:
     capability: str
     applies: Callable[[CaseTerms], bool]
     reason: str  # one line; the cause, with vLLM's files and lines, is in docs/vllm.md
+    shows: str  # a regular expression: the failure text of a case this defect fails
 
 
 # (W, LSE base) where the fp32 rounding of defect 4 moves a weight of the
@@ -84,12 +85,14 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             applies=lambda terms: "short_table" in terms.properties,
             reason="the write side gives a slot to a state whose page is cut from a short block-table row, "
             "which the read side drops (docs/vllm.md, known defect 1)",
+            shows=r"slot_mapping (on rank \d+ )?vs the oracle: \d+ problem",
         ),
         KnownDefect(
             name="ag_rs_single_rank",
             capability="combine",
             applies=lambda terms: terms.world_size == 1 and terms.backend == "ag_rs",
             reason="cp_lse_ag_out_rs crashes at W=1: too many values to unpack (docs/vllm.md, known defect 2)",
+            shows=r"ValueError: too many values to unpack",
         ),
         KnownDefect(
             name="finite_empty_band",
@@ -97,6 +100,7 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             applies=lambda terms: terms.world_size > 1 and "garbage_under_sentinel" in terms.properties,
             reason="the combine kernels give finite empty-band LSEs (-1e30, -1e29, -FLT_MAX) weight, so the "
             "garbage under them is summed (docs/vllm.md, known defect 3)",
+            shows=r"combined output, garbage under the sentinel, vs oracle merge",
         ),
         KnownDefect(
             name="fp32_rounded_lse",
@@ -108,6 +112,7 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             ),
             reason="the fp32 weights use the merged LSE after it is rounded to fp32, up to 6e-6 off "
             "at |LSE| ~ 150 (docs/vllm.md, known defect 4)",
+            shows=r"combined output vs oracle merge \([^()]*dtype=fp32",
         ),
         KnownDefect(
             name="ag_rs_16bit_rescale",
@@ -117,6 +122,7 @@ KNOWN_DEFECTS: dict[str, tuple[KnownDefect, ...]] = {
             ),
             reason="cp_lse_ag_out_rs stores each rank's rescaled partial in the 16-bit output dtype and "
             "reduce-scatters it in that dtype: 70 to 460 times one rounding's error (docs/vllm.md, known defect 5)",
+            shows=r"combined output vs oracle merge, rounded once",
         ),
     ),
 }
@@ -308,8 +314,8 @@ class VllmImplementation:
         """The known defects of this vLLM release that make this case fail,
         joined; None when none applies (or the release is not in
         ``KNOWN_DEFECTS``)."""
-        reasons = [defect.reason for defect in self.matching_defects(terms)]
-        return f"vllm {self.version}: " + "; and ".join(reasons) if reasons else None
+        found = KnownFailure.joined(KnownFailure(d.reason, d.shows) for d in self.matching_defects(terms))
+        return KnownFailure(f"vllm {self.version}: {found.reason}", found.shows) if found else None
 
     def matching_defects(self, terms: CaseTerms) -> list[KnownDefect]:
         """The known defects of this vLLM release that make this case fail."""

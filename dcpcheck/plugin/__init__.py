@@ -7,6 +7,7 @@ one module per concern:
 * :mod:`.markers`: the markers, the world-size parametrization, and every
   skip, decided at collection;
 * :mod:`.runner`: the ``dcp`` fixture that runs a rank function on W ranks;
+* :mod:`.known_failures`: a known defect's case that fails otherwise fails;
 * :mod:`.stage_table`: the stage x outcome table at the end of a run.
 
 Every skip is decided before any rank is launched, from the options, the
@@ -18,5 +19,6 @@ pytest_plugins = [
     "dcpcheck.plugin.session",
     "dcpcheck.plugin.markers",
     "dcpcheck.plugin.runner",
+    "dcpcheck.plugin.known_failures",
     "dcpcheck.plugin.stage_table",
 ]

@@ -3,12 +3,15 @@ back into one pass, skip, expected failure or failure message."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import traceback
 
 import pytest
 
+from dcpcheck.impls.protocol import KnownFailure
+from dcpcheck.plugin.known_failures import declare
 from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
 from dcpcheck.stages import stage_label
@@ -109,6 +112,7 @@ class DcpRunner:
             # The check still runs: a failure is reported as xfailed with
             # this reason, a pass as XPASS (the defect may be fixed).
             self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
+            declare(self._node, defect)
         self._node.user_properties.append(("dcp_world_size", self.world_size))
         self._node.user_properties.append(("dcp_ranks", self.session.placement(self.world_size).describe()))
         if case.get("backend"):
@@ -139,8 +143,8 @@ class DcpRunner:
 
     def _answers_before_launch(self, terms, timeout: float) -> tuple:
         """-> (why the case is unavailable, its known defect, why asking
-        failed), each a string or None: plain values, which torchrun's rank 0
-        shares with every rank."""
+        failed), each a string or None (the defect may be a KnownFailure):
+        plain values, which torchrun's rank 0 shares with every rank."""
         reason, failure = self._ask("unavailable_reason", terms, timeout)
         if reason or failure:
             return reason, None, failure
@@ -171,6 +175,15 @@ class DcpRunner:
         except Exception as exc:  # noqa: BLE001 - the implementation's error fails this test, naming it
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
             return None, f"{asked} raised {describe_exception(exc)} (it is asked before launch, {where})\n{trace}"
+        if isinstance(value, KnownFailure):
+            try:
+                re.compile(value.shows)
+            except re.error as exc:
+                return (
+                    None,
+                    f"{asked} returned a KnownFailure whose shows {value.shows!r} is not a regular expression: {exc}",
+                )
+            return value, None
         return (str(value) if value else None), None
 
     def _record_worst_errors(self, values: list) -> None:

@@ -143,6 +143,9 @@ def check_serving_trace(
 
     # A fused implementation has no prefill_geometry to spy on: its collectives are counted instead.
     fused = not callable(getattr(ctx.impl, "prefill_geometry", None))
+    # Every layer of every step is compared before the case fails: one
+    # failure (a known defect's, say) hides no other layer's or step's.
+    mismatches: list[MismatchError] = []
     with nullcontext([]) if fused else spy_on_capability(ctx.impl, "prefill_geometry") as geometry_calls:
         for step_index, step in enumerate(steps):
             rows = step_rows(step)
@@ -184,14 +187,22 @@ def check_serving_trace(
                     ("DCP-W vs the implementation's W=1 stack", dcp_out[index], dcp1_out[index]),
                     ("W=1 stack vs float64 oracle", dcp1_out[index], want),
                 ):
-                    stats = assert_close(
-                        actual, expected, what=what, context=context, row_labels=labels, dtype=tolerance_dtype
-                    )
+                    try:
+                        stats = assert_close(
+                            actual, expected, what=what, context=context, row_labels=labels, dtype=tolerance_dtype
+                        )
+                    except MismatchError as mismatch:
+                        mismatches.append(mismatch)
+                        continue
                     worst[what] = max(worst.get(what, 0.0), stats.worst_ratio)
             dcp_stack.finish(step.finished)
             if dcp1_stack is not None:
                 dcp1_stack.finish(step.finished)
 
+    if mismatches:
+        first, *others = map(str, mismatches)
+        also = [f"also {line.splitlines()[0]}" for line in others]
+        raise MismatchError("\n".join([first, *also]))
     if not fused:
         check_geometry_once_per_step(ctx, layers, steps, prefill_gather, len(geometry_calls))
     return worst

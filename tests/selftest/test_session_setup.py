@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from dcpcheck.impls.protocol import KnownFailure
+
 
 class WithKnownDefect:
     name = "defective"
@@ -48,7 +50,9 @@ class WithKnownDefect:
 
     def known_defect(self, terms):
         if "combine" in terms.capabilities and terms.world_size == 2 and terms.backend == "a2a":
-            return "rank 0 always fails (vendor bug 123)"
+            return KnownFailure("rank 0 always fails (vendor bug 123)", shows=r"rank \\d failed")
+        if "combine" in terms.capabilities and terms.backend == "ag_rs":
+            return KnownFailure("rank 0's LSE is off (vendor bug 456)", shows="LSE of rank 0 is off")
         if "short_table" in terms.properties:
             return "was broken before release 2"
         return None
@@ -68,6 +72,10 @@ def passes(ctx, **case):
 @pytest.mark.needs("combine")
 def test_known_defect(dcp):
     dcp.run(fails_on_rank_zero, backend="a2a")
+
+@pytest.mark.needs("combine")
+def test_another_failure_under_a_known_defect(dcp):
+    dcp.run(fails_on_rank_zero, backend="ag_rs")  # not the failure its defect shows
 
 @pytest.mark.scenario("short_table")
 def test_fixed_defect(dcp):
@@ -270,10 +278,21 @@ def test_user_implementation_from_a_file_lacking_capabilities_skips(sessions):
 
 def test_known_defects_are_expected_failures_that_still_run(sessions):
     code, output = sessions["known defects"]
-    assert code == 0, output
-    assert "2 passed" in output and "1 skipped" in output, output
+    assert code == 1, output  # the case that failed otherwise than its known defect shows
+    assert "1 failed, 2 passed" in output and "1 skipped" in output, output
     assert "1 xfailed" in output and "1 xpassed" in output, output
     assert "known defect of defective.py:WithKnownDefect: rank 0 always fails (vendor bug 123)" in output
+
+
+def test_a_known_defect_does_not_mask_another_failure(sessions):
+    _, output = sessions["known defects"]
+    assert re.search(r"_ test_another_failure_under_a_known_defect\[W2\] _", output), output
+    assert "not the known defect: known defect of defective.py:WithKnownDefect: rank 0's LSE is off" in output
+    assert (
+        "that defect fails a case showing /LSE of rank 0 is off/ in each comparison that fails; this failure does not"
+        in output
+    )
+    assert "rank 0 failed" in output  # the failure itself follows
     assert "no base-e bf16 kernel at D=72 here" in output
 
 

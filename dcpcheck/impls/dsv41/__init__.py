@@ -37,6 +37,7 @@ from dcpcheck.impls.dsv41.layer import (
 )
 from dcpcheck.impls.dsv41.serving import ServingFindings
 from dcpcheck.impls.dsv41.tree import PortSpec, PortSpecError, PortTree
+from dcpcheck.impls.protocol import KnownFailure
 
 __all__ = ["Dsv41Implementation", "PortSpecError"]
 
@@ -275,9 +276,9 @@ class Dsv41Implementation:
 
     def known_defect(self, terms):
         """The port's own defects first, then vLLM's (the write side and the combine are the tree's), told by reach."""
-        own = port_defect(terms, self.findings)
-        inherited = inherited_defect(self.vllm.matching_defects(terms))
-        return " / ".join(reason for reason in (own, inherited) if reason) or None
+        return KnownFailure.joined(
+            [port_defect(terms, self.findings), inherited_defect(self.vllm.matching_defects(terms))]
+        )
 
 
 class _FilterGroup:

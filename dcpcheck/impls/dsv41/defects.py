@@ -5,7 +5,10 @@ can meet, and why the others cannot."""
 
 from __future__ import annotations
 
-from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
+import re
+
+from dcpcheck.impls.dsv41.serving import COMPRESSED_WRITER, FLASHINFER_KERNEL_CALL, READ_UNIT, SWA_CACHE_PLACEMENT
+from dcpcheck.impls.protocol import NOT_ON_PORT_PATH, KnownFailure
 
 # vLLM 0.33.0's defects (dcpcheck.impls.vllm_adapter.KNOWN_DEFECTS) the port's
 # call sites never meet, each with why; a defect not listed here is on its path.
@@ -49,40 +52,60 @@ STAGE_VALUE_NOT_INTEGER = (
 )
 
 
-def port_defect(terms, findings) -> str | None:
+# How each defect fails a case: the probe's own check, or the e2e layer it
+# first breaks (a ratio-2 layer for the interleave unit, a later layer on the
+# gather path for the stale index cache); any other failure is news.
+SHOWS_PROBE = "{probe}: "
+SHOWS_RATIO2_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)"
+SHOWS_LATER_GATHER_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*prefill=gather [^()]*layer=[1-9]\d* \(rho \d+\)\)"
+SHOWS_EMPTY_STAGE = (
+    r"DSV41_DCP_STAGE='', [^:]*: build_attention must build .*invalid literal for int\(\) with base 10: ''"
+)
+SHOWS_NOT_INTEGER = r"DSV41_DCP_STAGE='3a', [^:]*: the error must name DSV41_DCP_STAGE .*invalid literal for int\(\)"
+
+
+def _probed(probe: str, finding: str, where: str) -> KnownFailure:
+    return KnownFailure(f"{finding}; {where}", re.escape(SHOWS_PROBE.format(probe=probe)))
+
+
+def port_defect(terms, findings) -> KnownFailure | None:
     """The port's own defects a case meets; ``findings``: the tree's
     :class:`dcpcheck.impls.dsv41.serving.ServingFindings`, asked only where a case needs one."""
-    reasons = []
+    defects = []
     if "tree_compressed_writer" in terms.properties and findings.compressed_writer:
-        reasons.append(f"{findings.compressed_writer}; {WRITE_SIDE_MISSING}")
+        defects.append(_probed(COMPRESSED_WRITER, findings.compressed_writer, WRITE_SIDE_MISSING))
     if "tree_swa_placement" in terms.properties and findings.swa_placement:
-        reasons.append(f"{findings.swa_placement}; {SWA_PLACEMENT}")
+        defects.append(_probed(SWA_CACHE_PLACEMENT, findings.swa_placement, SWA_PLACEMENT))
     if "tree_kernel_call" in terms.properties and findings.kernel_call:
-        reasons.append(f"{findings.kernel_call}; {KERNEL_CALL}")
+        defects.append(_probed(FLASHINFER_KERNEL_CALL, findings.kernel_call, KERNEL_CALL))
     if "tree_read_unit" in terms.properties and findings.read_unit:
-        reasons.append(f"{INTERLEAVE_UNIT}: {findings.read_unit}")
+        defects.append(
+            KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", re.escape(SHOWS_PROBE.format(probe=READ_UNIT)))
+        )
     if terms.world_size < 2 or "build_attention" not in terms.capabilities:
-        return "; and ".join(reasons) or None
+        return KnownFailure.joined(defects)
     if "dsv41_ratio2" in terms.properties and findings.read_unit:
-        reasons.append(f"{INTERLEAVE_UNIT}: {findings.read_unit}")
+        defects.append(KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", SHOWS_RATIO2_LAYER))
     if "adjacent_index_sources" in terms.properties:
-        reasons.append(STALE_INDEX_CACHE)
+        defects.append(KnownFailure(STALE_INDEX_CACHE, SHOWS_LATER_GATHER_LAYER))
     if "stage_value_empty" in terms.properties:
-        reasons.append(STAGE_VALUE_EMPTY)
+        defects.append(KnownFailure(STAGE_VALUE_EMPTY, SHOWS_EMPTY_STAGE))
     if "stage_value_not_integer" in terms.properties:
-        reasons.append(STAGE_VALUE_NOT_INTEGER)
-    return "; and ".join(reasons) or None
+        defects.append(KnownFailure(STAGE_VALUE_NOT_INTEGER, SHOWS_NOT_INTEGER))
+    return KnownFailure.joined(defects)
 
 
-def inherited_defect(defects) -> str | None:
+def inherited_defect(defects) -> KnownFailure | None:
     """vLLM's defects a case meets (:class:`dcpcheck.impls.vllm_adapter.KnownDefect`),
     told by reach: those on the port's path as they are, and when every one is
     off it, one reason that says so (the stage table counts those apart)."""
     if not defects:
         return None
+    shows = KnownFailure.joined(KnownFailure(defect.reason, defect.shows) for defect in defects).shows
     on_path = [defect.reason for defect in defects if defect.name not in OFF_PORT_PATH]
     if on_path:
-        return "vLLM 0.33.0, on the port's path: " + "; and ".join(on_path)
-    return f"{NOT_ON_PORT_PATH}: " + "; and ".join(
+        return KnownFailure("vLLM 0.33.0, on the port's path: " + "; and ".join(on_path), shows)
+    reason = f"{NOT_ON_PORT_PATH}: " + "; and ".join(
         f"{defect.reason}; unreachable from the port: {OFF_PORT_PATH[defect.name]}" for defect in defects
     )
+    return KnownFailure(reason, shows)

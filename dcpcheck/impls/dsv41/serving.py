@@ -23,6 +23,12 @@ from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_c
 from dcpcheck.impls.dsv41.layer import attention_base
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 
+# The probes' names: each probe's check fails with "NAME: finding".
+COMPRESSED_WRITER = "compressed writer"
+READ_UNIT = "read side's interleave unit"
+SWA_CACHE_PLACEMENT = "sliding-window cache placement"
+FLASHINFER_KERNEL_CALL = "FlashInfer kernel call"
+
 PROBE_WORLD_SIZE = 2
 PROBE_RATIO = 2
 PROBE_INTERLEAVE_TOKENS = 2
@@ -267,8 +273,8 @@ class ServingFindings:
 
     def by_name(self) -> dict[str, str | None]:
         return {
-            "compressed writer": self.compressed_writer,
-            "read side's interleave unit": self.read_unit,
-            "sliding-window cache placement": self.swa_placement,
-            "FlashInfer kernel call": self.kernel_call,
+            COMPRESSED_WRITER: self.compressed_writer,
+            READ_UNIT: self.read_unit,
+            SWA_CACHE_PLACEMENT: self.swa_placement,
+            FLASHINFER_KERNEL_CALL: self.kernel_call,
         }
