@@ -383,7 +383,8 @@ FIELD_HEADER = ["#", "report", "field bug", "mutants / why not"]
 def field_rows(outcomes: dict[str, Outcome]) -> list[list[str]]:
     """One row per report of docs/field-bugs.md: caught (every mutant carrying
     its root cause killed), survived, broken, not run, or not expressible."""
-    from dcpcheck.mutants.field import EQUIVALENT_PATCHES, field_reports
+    from dcpcheck.mutants.field import EQUIVALENT_PATCHES
+    from dcpcheck.mutants.field_table import field_reports
 
     rows = []
     for report in field_reports():
