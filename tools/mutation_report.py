@@ -372,7 +372,7 @@ def summary(mutant_runs: list[Outcome], clean: Outcome, seconds: float, limit: f
     ):
         if named(verdict):
             lines.append(f"{meaning}: {', '.join(named(verdict))}")
-    lines.append(f"clean port: {clean.verdict} ({clean.explain(limit)}, {clean.seconds:.0f} s)")
+    lines.append(f"clean port: {clean.verdict} ({clean.explain(limit)}; {clean.seconds:.0f} s over its runs)")
     lines.append(f"wall time: {seconds:.0f} s")
     return lines
 
