@@ -57,6 +57,8 @@ STAGE_VALUE_NOT_INTEGER = (
 # gather path for the stale index cache); any other failure is news.
 SHOWS_PROBE = "{probe}: "
 SHOWS_RATIO2_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)"
+# An interleave read in tokens as states can exceed a page: vLLM's filter refuses it.
+SHOWS_INTERLEAVE_OVER_PAGE = r"BLOCK_SIZE \(\d+\) must be divisible by cp_kv_cache_interleave_size \(\d+\)"
 SHOWS_LATER_GATHER_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*prefill=gather [^()]*layer=[1-9]\d* \(rho \d+\)\)"
 SHOWS_EMPTY_STAGE = (
     r"DSV41_DCP_STAGE='', [^:]*: build_attention must build .*invalid literal for int\(\) with base 10: ''"
@@ -85,7 +87,11 @@ def port_defect(terms, findings) -> KnownFailure | None:
     if terms.world_size < 2 or "build_attention" not in terms.capabilities:
         return KnownFailure.joined(defects)
     if "dsv41_ratio2" in terms.properties and findings.read_unit:
-        defects.append(KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", SHOWS_RATIO2_LAYER))
+        defects.append(
+            KnownFailure(
+                f"{INTERLEAVE_UNIT}: {findings.read_unit}", f"{SHOWS_RATIO2_LAYER}|{SHOWS_INTERLEAVE_OVER_PAGE}"
+            )
+        )
     if "adjacent_index_sources" in terms.properties:
         defects.append(KnownFailure(STALE_INDEX_CACHE, SHOWS_LATER_GATHER_LAYER))
     if "stage_value_empty" in terms.properties:
