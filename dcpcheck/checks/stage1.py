@@ -38,6 +38,7 @@ def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: i
     topk, table = pad_topk(batch.topk, multiple).to(device), block_table.to(device)
     if views:
         topk, table = column_slice(topk, device), column_slice(table, device)
+    ratio = {"rho": batch.layout.rho} if conventions_of(impl).filter_takes_ratio else {}
     result = impl.filter_index(
         topk,
         batch.token_to_req.to(device),
@@ -47,6 +48,7 @@ def filter_on_rank(impl, batch: StepBatch, block_table, device, *, world_size: i
         world_size=world_size,
         rank=rank,
         interleave=batch.layout.interleave,
+        **ratio,
     )
     slots, counts = assert_outputs(
         "filter_index",

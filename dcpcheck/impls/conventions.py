@@ -36,6 +36,11 @@ class Conventions:
     # SINK_SCHEMES: "rank0" (rank 0's partial only), "after_merge" (once into
     # the merged result), "minus_log_w" (sink - ln W into every rank's partial).
     sink_scheme: str = "rank0"
+    # filter_index is also told the compress ratio of the layer whose top-k it
+    # filters (``rho=``): a port that holds the interleave in vLLM's unit, tokens
+    # (``--cp-kv-cache-interleave-size``), as a layer attribute needs the ratio
+    # to have that attribute set as the server sets it.
+    filter_takes_ratio: bool = False
 
     def __post_init__(self):
         if self.sink_scheme not in SINK_SCHEMES:

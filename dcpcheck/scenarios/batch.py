@@ -167,8 +167,10 @@ def build_step_batch(
         builder.add_rows(builder.add_request(states=rand(2 * cycle + top_k + 1)), [pattern], role="decode")
     no_state_yet = builder.add_request(states=0, extra_tokens=max(rho - 1, 1))
     builder.add_rows(no_state_yet, ["sampled"], role="decode")
-    continuing = builder.add_request(states=cycle + rand(2 * top_k + 1) + 1)
-    builder.add_rows(continuing, ["sampled", "one-rank", "recent", "full", "short", "empty"], role="prefill")
+    continuing_rows = ["sampled", "one-rank", "recent", "full", "short", "empty"]
+    # At least one token per row (at ratio 1 a short cycle has fewer states than rows).
+    continuing = builder.add_request(states=max(cycle + rand(2 * top_k + 1) + 1, -(-len(continuing_rows) // rho)))
+    builder.add_rows(continuing, continuing_rows, role="prefill")
     first_chunk = builder.add_request(tokens=6)
     builder.add_rows(first_chunk, ["short-context"] * 6, role="prefill")
     builder.add_padding_row()

@@ -59,6 +59,23 @@ class Dsv41Topology:
     def index_source(self, layer_id: int) -> int | None:
         return _latest_at_or_below(self.index_source_layer_ids, layer_id, self.compress_ratios[layer_id])
 
+    def dcp_refusal(self, interleave_tokens: int) -> str | None:
+        """Why vLLM 0.33.0 refuses to serve this model under DCP with a
+        ``--cp-kv-cache-interleave-size`` of ``interleave_tokens``, or None: the
+        indexer of an index source of ratio > 1 needs the interleave to cover
+        whole states (``v1/attention/backends/mla/indexer.py``,
+        ``DeepseekV32IndexerMetadataBuilder.__init__`` raises NotImplementedError;
+        its DCP writer would put every state on one rank)."""
+        ratios = sorted({self.compress_ratios[source] for source in self.index_source_layer_ids})
+        uneven = [ratio for ratio in ratios if ratio > 1 and interleave_tokens % ratio]
+        if not uneven:
+            return None
+        return (
+            f"--cp-kv-cache-interleave-size {interleave_tokens} is not a multiple of the compress ratio "
+            f"{uneven[0]} of an index source: vLLM's indexer refuses DCP with it "
+            "(v1/attention/backends/mla/indexer.py, DeepseekV32IndexerMetadataBuilder.__init__)"
+        )
+
     def layer_specs(self, *, interleave_tokens: int, tokens_per_page: int, top_k: int) -> tuple[LayerSpec, ...]:
         """One :class:`LayerSpec` per layer, under one ``--cp-kv-cache-interleave-size``
         (``interleave_tokens``, vLLM's unit) and one page of ``tokens_per_page``
@@ -66,15 +83,18 @@ class Dsv41Topology:
         rho`` states per page and an interleave of ``interleave_tokens // rho``
         states (vLLM refuses a token interleave that is not a multiple of the
         ratio under DCP: ``v1/attention/backends/mla/indexer.py``)."""
+        refusal = self.dcp_refusal(interleave_tokens)
+        if refusal:
+            raise ValueError(refusal)
         specs = []
         for layer_id, ratio in enumerate(self.compress_ratios):
             if ratio == 0:
                 specs.append(LayerSpec(rho=0))
                 continue
-            if interleave_tokens % ratio or tokens_per_page % interleave_tokens:
+            if tokens_per_page % interleave_tokens:
                 raise ValueError(
-                    f"an interleave of {interleave_tokens} tokens at compress ratio {ratio} with {tokens_per_page}-token "
-                    "pages: the interleave must be a multiple of the ratio and divide the page"
+                    f"an interleave of {interleave_tokens} tokens with {tokens_per_page}-token pages: vLLM needs "
+                    "the block size to be a multiple of cp_kv_cache_interleave_size (vllm/config/parallel.py)"
                 )
             kv, index = self.kv_source(layer_id), self.index_source(layer_id)
             specs.append(

@@ -19,6 +19,7 @@ same rounded inputs, within the single-op tolerances of dcpcheck.compare.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -70,6 +71,10 @@ DSV41_REQUESTS = [
     RequestSpec(uid=4, arrival=4, prompt_len=21, decode_steps=1),
 ]
 DSV41_TOKEN_BUDGET = 32
+# The same, with a prompt long enough that a 64-token interleave hands it to
+# the next rank and back (150 tokens: 64 on one rank, 64 on the next, 22 back).
+SWEEP_REQUESTS = [dataclasses.replace(DSV41_REQUESTS[0], prompt_len=150), *DSV41_REQUESTS[1:]]
+SWEEP_TOKEN_BUDGET = 64
 TOKENS_PER_PAGE = 128  # vLLM's compressed-cache page (FlashInfer's kernel block): 64 states at ratio 2
 DSV41_TOP_K = 16
 PAD_TO = 8
@@ -291,41 +296,79 @@ PATHS = [
 ]
 
 
-def check_dsv41_trace(ctx, *, topology, interleave_tokens, prefill_gather, prefill_token_chunk=16, full_trace=False):
-    """``full_trace``: the V4.0 trace's requests (long enough for a 128-token interleave to reach every rank)."""
+def check_dsv41_trace(
+    ctx,
+    *,
+    topology,
+    interleave_tokens,
+    prefill_gather,
+    prefill_token_chunk=16,
+    requests=DSV41_REQUESTS,
+    token_budget=DSV41_TOKEN_BUDGET,
+):
     return check_serving_trace(
         ctx,
         backend="a2a",
         prefill_gather=prefill_gather,
         topology=topology,
         interleave_tokens=interleave_tokens,
-        prefill_token_chunk=prefill_token_chunk if not full_trace else 64,
+        prefill_token_chunk=prefill_token_chunk,
         heads_per_rank=1,
-        requests=REQUESTS if full_trace else DSV41_REQUESTS,
-        token_budget=TOKEN_BUDGET if full_trace else DSV41_TOKEN_BUDGET,
+        requests=requests,
+        token_budget=token_budget,
     )
 
 
 # --cp-kv-cache-interleave-size of 2 tokens (one ratio-2 state, two ratio-1
-# states) through both paths; then over vLLM's page on the stage-3 path: 64
-# tokens, and 128 (what NIXL P/D picks: a whole page).
+# states) through both paths; then vLLM's default and its page on the
+# stage-3 path: 1 token, 64, and 128 (what NIXL P/D picks: a whole page).
 @pytest.mark.parametrize("prefill_gather", PATHS)
 @pytest.mark.scenario("dsv41_ratio2")
 def test_dsv41_topology_trace(dcp, prefill_gather):
     dcp.run(check_dsv41_trace, topology=DSV41_TOPOLOGY, interleave_tokens=2, prefill_gather=prefill_gather)
 
 
+# The stage-3 path at W = 4 on every machine, over a short trace (the one
+# above costs minutes of vLLM's a2a kernels per step at W >= 4 under the
+# Triton interpreter, so a port's run skips it on CPU): prefill over two
+# steps, spec decode, a late join.
+SHORT_REQUESTS = [
+    RequestSpec(uid=0, arrival=0, prompt_len=20, decode_steps=2),
+    RequestSpec(uid=1, arrival=0, prompt_len=9, decode_steps=1, tokens_per_decode=3),
+    RequestSpec(uid=2, arrival=1, prompt_len=5, decode_steps=2),
+]
+
+
+@pytest.mark.stage(STAGE_COMBINE)
+@pytest.mark.world_sizes(4)
+@pytest.mark.scenario("dsv41_ratio2")
+def test_dsv41_short_stage3_trace(dcp):
+    dcp.run(
+        check_dsv41_trace,
+        topology=DSV41_TOPOLOGY,
+        interleave_tokens=2,
+        prefill_gather=False,
+        requests=SHORT_REQUESTS,
+        token_budget=16,
+    )
+
+
 @pytest.mark.stage(STAGE_COMBINE)
 @pytest.mark.world_sizes(2)  # where the interleave first decides owners; W 4 cost minutes of vLLM's kernels on CPU
-@pytest.mark.parametrize("interleave_tokens", [64, 128], ids=lambda tokens: f"I{tokens}")
+@pytest.mark.parametrize("interleave_tokens", [1, 64, 128], ids=lambda tokens: f"I{tokens}")
 @pytest.mark.scenario("dsv41_ratio2")
 def test_dsv41_interleave_sweep(dcp, interleave_tokens):
+    refusal = DSV41_TOPOLOGY.dcp_refusal(interleave_tokens)
+    if refusal:
+        pytest.skip(f"vLLM does not serve this configuration: {refusal}")
     dcp.run(
         check_dsv41_trace,
         topology=DSV41_TOPOLOGY,
         interleave_tokens=interleave_tokens,
         prefill_gather=False,
-        full_trace=True,
+        prefill_token_chunk=64,
+        requests=SWEEP_REQUESTS,
+        token_budget=SWEEP_TOKEN_BUDGET,
     )
 
 

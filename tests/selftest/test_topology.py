@@ -54,5 +54,10 @@ def test_configs_vllm_cannot_build_are_refused(config, message):
 
 def test_an_interleave_that_is_not_a_multiple_of_the_ratio_is_refused():
     topology = Dsv41Topology((0, 2), (1,), (1,))
-    with pytest.raises(ValueError, match="must be a multiple of the ratio"):
+    assert "not a multiple of the compress ratio 2" in topology.dcp_refusal(1)
+    assert topology.dcp_refusal(2) is None
+    assert Dsv41Topology((0, 1), (1,), (1,)).dcp_refusal(1) is None  # ratio 1: a state is a token
+    with pytest.raises(ValueError, match="not a multiple of the compress ratio 2"):
         topology.layer_specs(interleave_tokens=1, tokens_per_page=16, top_k=4)
+    with pytest.raises(ValueError, match="block size to be a multiple of cp_kv_cache_interleave_size"):
+        topology.layer_specs(interleave_tokens=6, tokens_per_page=16, top_k=4)

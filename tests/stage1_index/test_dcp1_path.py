@@ -21,6 +21,7 @@ pytestmark = [
     pytest.mark.world_sizes(1),
 ]
 SHORT_TABLE = pytest.mark.scenario("short_table")  # table_slack < 0
+V40 = pytest.mark.scenario("v40_ratios")  # DeepSeek-V4.0's ratios: the generic filter and writer
 
 # One below, at and one above the tile sizes a kernel is likely to use.
 TOP_K_AROUND_TILES = (1, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129)
@@ -74,9 +75,12 @@ def check_w1_slot_mapping(ctx, batch: StepBatch, table, case: str) -> None:
 @pytest.mark.parametrize(
     "S, bs, rho, table_slack",
     [
-        pytest.param(1, 4, 4, 1, id="S1-bs4-rho4"),
-        pytest.param(2, 10, 128, -1, id="S2-bs10-rho128-short_table", marks=SHORT_TABLE),
-        pytest.param(64, 64, 4, 0, id="S64-bs64-rho4"),
+        pytest.param(1, 4, 4, 1, id="S1-bs4-rho4", marks=V40),
+        pytest.param(2, 10, 128, -1, id="S2-bs10-rho128-short_table", marks=[SHORT_TABLE, V40]),
+        pytest.param(64, 64, 4, 0, id="S64-bs64-rho4", marks=V40),
+        # DeepSeek-V4.1's ratios on vLLM's 128-token compressed page.
+        pytest.param(1, 64, 2, 1, id="I2-S1-bs64-rho2"),
+        pytest.param(2, 128, 1, 0, id="I2-S2-bs128-rho1"),
     ],
 )
 def test_dcp1_path(dcp, S, bs, rho, table_slack):

@@ -12,21 +12,35 @@ from dcpcheck.stages import STAGE_INDEX
 
 pytestmark = [pytest.mark.stage(STAGE_INDEX), pytest.mark.needs("filter_index", "slot_mapping")]
 SHORT_TABLE = pytest.mark.scenario("short_table")  # table_slack < 0
+V40 = pytest.mark.scenario("v40_ratios")
+DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
 
 
 # (S, bs, K, rho, table_slack, num_decodes): every S with two page sizes, K
 # never a multiple of 16, short tables (slack < 0) in half the cases, and
 # batches of 72 tokens (num_decodes=50: more than one 64-token block) in three.
-CASES = [
-    pytest.param(1, 1, 37, 4, 2, 4, id="S1-bs1-K37-rho4"),
-    pytest.param(1, 16, 100, 128, -1, 50, id="S1-bs16-K100-rho128-short_table-T72", marks=SHORT_TABLE),
-    pytest.param(2, 2, 61, 128, 0, 4, id="S2-bs2-K61-rho128"),
-    pytest.param(2, 6, 131, 4, -1, 4, id="S2-bs6-K131-rho4-short_table", marks=SHORT_TABLE),
-    pytest.param(16, 16, 45, 4, 2, 50, id="S16-bs16-K45-rho4-T72"),
-    pytest.param(16, 64, 300, 4, -2, 4, id="S16-bs64-K300-rho4-short_table", marks=SHORT_TABLE),
-    pytest.param(64, 64, 1, 4, 2, 4, id="S64-bs64-K1-rho4"),
-    pytest.param(64, 128, 200, 128, -1, 50, id="S64-bs128-K200-rho128-short_table-T72", marks=SHORT_TABLE),
+# DeepSeek-V4.0's ratios (4, 128): the generic filter and writer.
+V40_CASES = [
+    pytest.param(1, 1, 37, 4, 2, 4, id="S1-bs1-K37-rho4", marks=V40),
+    pytest.param(1, 16, 100, 128, -1, 50, id="S1-bs16-K100-rho128-short_table-T72", marks=[SHORT_TABLE, V40]),
+    pytest.param(2, 2, 61, 128, 0, 4, id="S2-bs2-K61-rho128", marks=V40),
+    pytest.param(2, 6, 131, 4, -1, 4, id="S2-bs6-K131-rho4-short_table", marks=[SHORT_TABLE, V40]),
+    pytest.param(16, 16, 45, 4, 2, 50, id="S16-bs16-K45-rho4-T72", marks=V40),
+    pytest.param(16, 64, 300, 4, -2, 4, id="S16-bs64-K300-rho4-short_table", marks=[SHORT_TABLE, V40]),
+    pytest.param(64, 64, 1, 4, 2, 4, id="S64-bs64-K1-rho4", marks=V40),
+    pytest.param(64, 128, 200, 128, -1, 50, id="S64-bs128-K200-rho128-short_table-T72", marks=[SHORT_TABLE, V40]),
 ]
+# DeepSeek-V4.1's ratios on vLLM's 128-token compressed page (64 states at
+# ratio 2), at a --cp-kv-cache-interleave-size of I tokens (S = I / rho
+# states): one state, half a page and a whole page a rank in turn; top-k
+# rows of several 128-wide filter tiles.
+DSV41_CASES = [
+    pytest.param(1, 64, 300, 2, 2, 4, id="I2-S1-bs64-K300-rho2", marks=DSV41_RATIO2),
+    pytest.param(32, 64, 131, 2, 0, 50, id="I64-S32-bs64-K131-rho2-T72", marks=DSV41_RATIO2),
+    pytest.param(64, 64, 45, 2, 1, 4, id="I128-S64-bs64-K45-rho2", marks=DSV41_RATIO2),
+    pytest.param(2, 128, 37, 1, 1, 50, id="I2-S2-bs128-K37-rho1-T72"),
+]
+CASES = V40_CASES + DSV41_CASES
 
 
 @pytest.mark.parametrize("S, bs, K, rho, table_slack, num_decodes", CASES)
@@ -34,9 +48,9 @@ def test_partition(dcp, S, bs, K, rho, table_slack, num_decodes):
     dcp.run(check_partition, S=S, bs=bs, K=K, rho=rho, table_slack=table_slack, num_decodes=num_decodes)
 
 
-# Two cases without cut pages (their write side is a known vLLM defect) and
-# with a batch past one kernel block.
-VIEW_CASES = [CASES[0], CASES[4]]
+# Cases without cut pages (their write side is a known vLLM defect), one with
+# a batch past one kernel block, at each model's ratios.
+VIEW_CASES = [V40_CASES[0], V40_CASES[4], DSV41_CASES[0]]
 
 
 @pytest.mark.parametrize("S, bs, K, rho, table_slack, num_decodes", VIEW_CASES)

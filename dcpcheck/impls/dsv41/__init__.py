@@ -29,6 +29,7 @@ from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source
 from dcpcheck.impls.dsv41.layer import (
+    INDEX_TOPK,
     TOPK_TILE,
     LayerSpec,
     build_port_layer,
@@ -54,6 +55,7 @@ class Dsv41Implementation:
         local_heads=8,
         lse_bases=(2.0,),
         sink_scheme="rank0",  # _dcp_attn_sink: the gathered sink goes to the kernel on DCP rank 0 only
+        filter_takes_ratio=True,  # the layer's cp_kv_cache_interleave_size is in tokens: interleave * rho
     )
     max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
 
@@ -113,7 +115,7 @@ class Dsv41Implementation:
         buffer = self._topk_buffers.get(device)
         if buffer is None:
             buffer = torch.full(
-                (MAX_NUM_BATCHED_TOKENS, TOPK_TILE),
+                (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK),
                 -1,
                 dtype=torch.int32,
                 device=device,
@@ -133,8 +135,9 @@ class Dsv41Implementation:
         world_size,
         rank,
         interleave,
+        rho,
     ):
-        layer = self._filter_layer(topk.device, world_size, rank, interleave)
+        layer = self._filter_layer(topk.device, world_size, rank, interleave, rho=rho)
         return layer._compressed_topk_to_slots(
             topk.to(torch.int32),
             token_to_req.to(torch.int32),
@@ -143,8 +146,9 @@ class Dsv41Implementation:
             is_valid_token.bool(),
         )
 
-    def _filter_layer(self, device, world_size, rank, interleave, rho=1):
-        """A layer of that rank (rho = 1 by default: state = token, so the interleave is the same in both units)."""
+    def _filter_layer(self, device, world_size, rank, interleave, *, rho):
+        """A layer of that rank and compress ratio; ``interleave`` in states (its
+        ``cp_kv_cache_interleave_size`` is set in tokens, as the server sets it)."""
         key = (torch.device(device), world_size, rank, interleave, rho)
         layer = self._filter_layers.get(key)
         if layer is None:

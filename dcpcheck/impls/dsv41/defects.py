@@ -57,6 +57,7 @@ STAGE_VALUE_NOT_INTEGER = (
 # gather path for the stale index cache); any other failure is news.
 SHOWS_PROBE = "{probe}: "
 SHOWS_RATIO2_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)"
+SHOWS_STAGE1_READS = r"states read by rank \d+ vs the oracle"
 # An interleave read in tokens as states can exceed a page: vLLM's filter refuses it.
 SHOWS_INTERLEAVE_OVER_PAGE = r"BLOCK_SIZE \(\d+\) must be divisible by cp_kv_cache_interleave_size \(\d+\)"
 SHOWS_LATER_GATHER_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*prefill=gather [^()]*layer=[1-9]\d* \(rho \d+\)\)"
@@ -84,7 +85,15 @@ def port_defect(terms, findings) -> KnownFailure | None:
         defects.append(
             KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", re.escape(SHOWS_PROBE.format(probe=READ_UNIT)))
         )
-    if terms.world_size < 2 or "build_attention" not in terms.capabilities:
+    if terms.world_size < 2:
+        return KnownFailure.joined(defects)
+    if "dsv41_ratio2" in terms.properties and "filter_index" in terms.capabilities and findings.read_unit:
+        defects.append(
+            KnownFailure(
+                f"{INTERLEAVE_UNIT}: {findings.read_unit}", f"{SHOWS_STAGE1_READS}|{SHOWS_INTERLEAVE_OVER_PAGE}"
+            )
+        )
+    if "build_attention" not in terms.capabilities:
         return KnownFailure.joined(defects)
     if "dsv41_ratio2" in terms.properties and findings.read_unit:
         defects.append(

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.dsv41.layer import (
+    INDEX_TOPK,
     NULL_PAGE,
-    TOPK_TILE,
     LayerSpec,
     build_port_layer,
     padded_topk_width,
@@ -227,7 +227,7 @@ class PortAttention:
             block_table=wide,
             token_to_req=token_to_req_new,
             num_actual_tokens=int(valid.sum()),
-            topk_tokens=TOPK_TILE,
+            topk_tokens=INDEX_TOPK,
         )
         if not hasattr(compressed, "seq_lens"):
             # The port's stage-9 gather reads attn_metadata.seq_lens, a field the

@@ -46,6 +46,11 @@ from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, pa
 from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
+# The HF config's index_topk, the top-k buffer's width (nvidia/model.py sizes
+# it [max_num_batched_tokens, index_topk]; the metadata builder reads it too).
+# A checkpoint value the tree has no default for: two filter tiles, so every
+# row takes vLLM's multi-tile filter path, as a served checkpoint's does.
+INDEX_TOPK = 2 * TOPK_TILE
 NULL_PAGE = 0
 COMBINE_ENV = "DSV41_DCP_COMBINE"
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
