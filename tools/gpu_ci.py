@@ -65,7 +65,8 @@ class Session:
     torchrun: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    workers_share: float = 1.0  # of --workers, for a session beside the pool session
+    workers_share: float = 1.0  # of --workers
+    wave: int = 0  # sessions of one wave run at once, the waves one after another
 
 
 POOL_STEPS = (
@@ -95,13 +96,17 @@ TORCHRUN_STEP = Step(
 )
 STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
 # The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
-# carries both to a GPU host); run only where vLLM imports. Beside the pool
-# session, each with a quarter of its workers: every rank process imports vLLM
-# on CUDA, and 10 workers' pools (about 150 ranks) ran one H200 out of memory
-# at pool start.
+# carries both to a GPU host); run only where vLLM imports. In a second wave,
+# after the pool and torchrun sessions, each with half the workers: every rank
+# process imports vLLM on CUDA, and beside the pool session 10 workers' pools
+# (about 150 ranks) ran one H200 out of memory at pool start.
 VLLM_SESSIONS = (
-    Session("vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.25),
-    Session("dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.25),
+    Session(
+        "vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.5, wave=1
+    ),
+    Session(
+        "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.5, wave=1
+    ),
 )
 SESSIONS = (
     Session("pool", POOL_STEPS),
@@ -173,6 +178,7 @@ class SessionRun:
     name: str
     argv: list[str]
     env: dict
+    wave: int = 0
     code: int | None = None
     seconds: float = 0.0
 
@@ -196,14 +202,20 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
         print(f"=== {run.name}: exit {run.code} in {run.seconds:.1f} s", flush=True)
 
 
-def run_sessions(runs: list[SessionRun], out: Path) -> None:
-    """Every session at once: they share the GPUs and the cores."""
+def run_sessions(runs: list[SessionRun], out: Path) -> dict[int, float]:
+    """Each wave's sessions at once (they share the GPUs and the cores), the
+    waves in turn -> each wave's wall seconds."""
     lock = threading.Lock()
-    threads = [threading.Thread(target=_stream, args=(run, out, lock)) for run in runs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    walls = {}
+    for wave in sorted({run.wave for run in runs}):
+        started = time.perf_counter()
+        threads = [threading.Thread(target=_stream, args=(run, out, lock)) for run in runs if run.wave == wave]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        walls[wave] = time.perf_counter() - started
+    return walls
 
 
 # ---- the summary ------------------------------------------------------------
@@ -214,6 +226,7 @@ class Row:
     passed: int = 0
     failed: int = 0
     skipped: int = 0
+    xfailed: int = 0
     worst_ratios: list = field(default_factory=list)
     max_abs_errs: list = field(default_factory=list)
     gpu_peak_bytes: int = 0
@@ -256,11 +269,14 @@ def step_of(case: ET.Element, step_paths: dict[str, list[str]]) -> str | None:
     return None
 
 
-def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple, Row], dict[str, Phases]]:
-    """-> (summary rows, per-step phases) of the JUnit files, each with the
-    paths of the steps it ran."""
+def summarize(
+    junit_files: dict[Path, dict[str, list[str]]],
+) -> tuple[dict[tuple, Row], dict[str, Phases], list[tuple[str, str, str]]]:
+    """-> (summary rows, per-step phases, expected failures as (step, case,
+    reason)) of the JUnit files, each with the paths of the steps it ran."""
     rows: dict[tuple, Row] = defaultdict(Row)
     phases: dict[str, Phases] = defaultdict(Phases)
+    xfails: list[tuple[str, str, str]] = []
     for path, step_paths in junit_files.items():
         if not path.exists():
             continue
@@ -274,9 +290,13 @@ def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple
             for phase in PHASE_PROPERTIES:
                 step_phases.totals[phase] += float(props.get(f"dcp_{phase}", 0.0))
             row = rows[case_key(step, case)]
+            skipped = case.find("skipped")
             if case.find("failure") is not None or case.find("error") is not None:
                 row.failed += 1
-            elif case.find("skipped") is not None:
+            elif skipped is not None and skipped.get("type") == "pytest.xfail":
+                row.xfailed += 1
+                xfails.append((step, case.get("name", ""), skipped.get("message", "").removeprefix("xfail: ")))
+            elif skipped is not None:
                 row.skipped += 1
             else:
                 row.passed += 1
@@ -286,7 +306,7 @@ def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple
                     row.max_abs_errs.append(float(props["dcp_max_abs_err"]))
                 peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
                 row.gpu_peak_bytes = max([row.gpu_peak_bytes, *peaks])
-    return rows, phases
+    return rows, phases, xfails
 
 
 def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, ran_cases: bool) -> str | None:
@@ -306,12 +326,31 @@ def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, 
     return None
 
 
-def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[SessionRun], order: list[str]) -> str:
-    """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went."""
+def phase_totals(phases: dict[str, Phases]) -> str:
+    """One line: every step's phases summed (the CI's timing budget, read at a glance)."""
+    totals = {phase: sum(p.totals[phase] for p in phases.values()) for phase in PHASE_PROPERTIES}
+    seconds = sum(p.seconds for p in phases.values())
+    checking = seconds - totals["pool_start_s"] - totals["compile_s"]
+    return (
+        f"phases, summed over every case: cases {seconds:.1f} s = pool start {totals['pool_start_s']:.1f} "
+        f"(CUDA init {totals['cuda_init_s']:.1f}, group init {totals['group_init_s']:.1f}) "
+        f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}"
+    )
+
+
+def render(
+    rows: dict[tuple, Row],
+    phases: dict[str, Phases],
+    runs: list[SessionRun],
+    order: list[str],
+    xfails: list[tuple[str, str, str]],
+) -> str:
+    """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went,
+    then every expected failure with its reason."""
     lines = [
-        "| step | stage | W | backend | ranks | cases | passed | failed | skipped | worst err/tol | max abs err "
-        "| peak GPU GiB |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | stage | W | backend | ranks | cases | passed | failed | xfailed | skipped | worst err/tol "
+        "| max abs err | peak GPU GiB |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def key_order(key):
@@ -323,13 +362,13 @@ def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[Session
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
         peak = f"{row.gpu_peak_bytes / 2**30:.2f}" if row.gpu_peak_bytes else "-"
-        cases = row.passed + row.failed + row.skipped
+        cases = row.passed + row.failed + row.xfailed + row.skipped
         lines.append(
-            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} "
-            f"| {peak} |"
+            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.xfailed} | {row.skipped} | {ratio} "
+            f"| {abs_err} | {peak} |"
         )
-    lines += ["", "| session | exit | wall s |", "|---|---:|---:|"]
-    lines += [f"| {run.name} | {run.code} | {run.seconds:.1f} |" for run in runs]
+    lines += ["", "| session | wave | exit | wall s |", "|---|---:|---:|---:|"]
+    lines += [f"| {run.name} | {run.wave} | {run.code} | {run.seconds:.1f} |" for run in runs]
     lines += [
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
@@ -347,8 +386,12 @@ def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[Session
         )
     # The longest modules bound a session's wall time (each runs on one xdist worker).
     modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)
+    lines += ["", phase_totals(phases)]
     lines += ["", "| slowest test modules | step | case s |", "|---|---|---:|"]
     lines += [f"| {module} | {step} | {seconds:.1f} |" for seconds, step, module in modules[:SLOWEST_SHOWN]]
+    if xfails:
+        lines += ["", "| expected failure | step | reason |", "|---|---|---|"]
+        lines += [f"| `{name}` | {step} | {reason.replace('|', '/')} |" for step, name, reason in xfails]
     return "\n".join(lines)
 
 
@@ -414,15 +457,16 @@ def main(argv=None) -> int:
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
-        runs.append(SessionRun(session.name, argv_, {**os.environ, SPREAD_ENV: "1", **dict(session.env)}))
+        env = {**os.environ, SPREAD_ENV: "1", **dict(session.env)}
+        runs.append(SessionRun(session.name, argv_, env, wave=session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
 
     started = time.perf_counter()
-    run_sessions(runs, out)
+    walls = run_sessions(runs, out)
     wall = time.perf_counter() - started
 
-    rows, phases = summarize(junit_files)
+    rows, phases, xfails = summarize(junit_files)
     order = [step for session in sessions for step in (s.name for s in session.steps)]
     problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
     for session in sessions:
@@ -430,13 +474,14 @@ def main(argv=None) -> int:
         problem = missing_breakdown(session, phases, args.device, ran)
         if problem:
             problems.append(problem)
+    waves = ", ".join(f"wave {wave} {seconds:.1f} s" for wave, seconds in walls.items())
     header = (
         f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} cores={cores} pool workers={args.workers} "
-        f"wall {wall:.1f} s\n\n"
+        f"wall {wall:.1f} s ({waves})\n\n"
     )
     if left_out:
         header += f"Not run: {', '.join(s.name for s in VLLM_SESSIONS)}: {left_out}\n\n"
-    summary = header + render(rows, phases, runs, order) + "\n"
+    summary = header + render(rows, phases, runs, order, xfails) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
