@@ -2,13 +2,14 @@
 """Pre-merge GPU CI: the staged suite on the GPUs of this host.
 
 The suite's steps (harness self-tests, stage 1, stage 3, stage 9, end to end,
-the realistic-shape GPU tests of tests/gpu, then the stage tests under
-``torchrun``) run in a few *sessions*, all at once: one pytest process with
-``--workers`` xdist workers for every pool step (so each worker starts its
-rank pools once, not once per step), and one ``torchrun --nproc-per-node
-<max(GPUs, 2)>`` job. Each session runs with ``--device cuda`` and
-``--junitxml``; world sizes above the GPU count share GPUs over gloo
-(``--gpu-sharing``), so a one-GPU host runs them all.
+the realistic-shape GPU tests of tests/gpu, then the stage tests and the
+realistic ones under ``torchrun``) run in a few *sessions*, all at once: one
+pytest process with ``--workers`` xdist workers for every pool step (so each
+worker starts its rank pools once, not once per step), and two ``torchrun
+--nproc-per-node <max(GPUs, 2)>`` jobs. Where vLLM imports, a second wave
+runs the stage tests against vLLM and its DCP2 port. Each session runs with
+``--device cuda`` and ``--junitxml``; world sizes above the GPU count share
+GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them all.
 
 Then it reads the JUnit files and prints a summary: step x stage x W x
 backend x ranks (cases passed / failed / skipped, worst error, peak GPU
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -91,10 +93,10 @@ LONGEST_FIRST = (
     "tests/selftest/test_torchrun_mode.py",
     "tests/stage3_combine/test_combine.py",
 )
-TORCHRUN_STEP = Step(
-    "torchrun", ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
-)
 STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+# Under torchrun the stage tests and the realistic ones (about as long, serial
+# either way) run as two jobs side by side.
+TORCHRUN_STEPS = (Step("torchrun", STAGE_PATHS), Step("torchrun-gpu", ("tests/gpu",)))
 # The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
 # carries both to a GPU host); run only where vLLM imports. In a second wave,
 # after the pool and torchrun sessions, each with half the workers: every rank
@@ -110,7 +112,7 @@ VLLM_SESSIONS = (
 )
 SESSIONS = (
     Session("pool", POOL_STEPS),
-    Session("torchrun", (TORCHRUN_STEP,), torchrun=True),
+    *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),
     *VLLM_SESSIONS,
 )
 STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
@@ -141,9 +143,11 @@ def longest_first(paths: list[str]) -> list[str]:
 
 def default_workers(gpus: int, cores: int) -> int:
     """xdist workers for the pool session: each starts a pool per world size
-    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 5 per GPU,
-    and 3 cores each for the host-side work of its ranks; 8 at most."""
-    return max(1, min(8, 5 * max(gpus, 1), cores // 3))
+    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 7 per GPU
+    (about 110 CUDA contexts beside the realistic cases' peaks on one H200),
+    and 2 cores each for the host-side work of its ranks, which dominates the
+    realistic cases; 8 at most."""
+    return max(1, min(8, 7 * max(gpus, 1), cores // 2))
 
 
 def _xdist_keeps_order() -> list[str]:
@@ -164,6 +168,7 @@ def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus:
     ]  # fmt: skip
     if session.torchrun:
         ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
+        # --standalone picks a free rendezvous port, so two jobs can run at once.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
     workers = max(1, int(args.workers * session.workers_share))
     if workers > 1:
@@ -183,8 +188,9 @@ class SessionRun:
     seconds: float = 0.0
 
 
-def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
-    """Run one session, its output on stdout (prefixed with its name) and in ``<out>/<name>.log``."""
+def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | None) -> None:
+    """Run one session, its output on stdout (prefixed with its name) and in ``<out>/<name>.log``.
+    After ``timeout`` seconds it gets SIGINT: pytest then stops and still writes its JUnit XML."""
     with lock:
         print(f"\n=== {run.name}: {' '.join(run.argv)}", flush=True)
     started = time.perf_counter()
@@ -192,24 +198,29 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
         proc = subprocess.Popen(
             run.argv, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        timer = threading.Timer(timeout, proc.send_signal, (signal.SIGINT,)) if timeout else None
+        if timer:
+            timer.start()
         for line in proc.stdout:
             log.write(line)
             with lock:
                 sys.stdout.write(f"[{run.name}] {line}")
         run.code = proc.wait()
+        if timer:
+            timer.cancel()
     run.seconds = time.perf_counter() - started
     with lock:
         print(f"=== {run.name}: exit {run.code} in {run.seconds:.1f} s", flush=True)
 
 
-def run_sessions(runs: list[SessionRun], out: Path) -> dict[int, float]:
+def run_sessions(runs: list[SessionRun], out: Path, timeout: float | None) -> dict[int, float]:
     """Each wave's sessions at once (they share the GPUs and the cores), the
     waves in turn -> each wave's wall seconds."""
     lock = threading.Lock()
     walls = {}
     for wave in sorted({run.wave for run in runs}):
         started = time.perf_counter()
-        threads = [threading.Thread(target=_stream, args=(run, out, lock)) for run in runs if run.wave == wave]
+        threads = [threading.Thread(target=_stream, args=(run, out, lock, timeout)) for run in runs if run.wave == wave]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -421,6 +432,12 @@ def parse_args(argv=None):
         help="pytest-xdist workers of the pool session (default: by GPUs and cores, see default_workers; 0 or 1: none)",
     )
     parser.add_argument("--fail-fast", action="store_true", help="each session stops after its first failure (-x)")
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=None,
+        help="interrupt a session after this many seconds (its finished cases still reach the summary; it fails)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     if args.steps is not None:
@@ -463,7 +480,7 @@ def main(argv=None) -> int:
         sessions.append(session)
 
     started = time.perf_counter()
-    walls = run_sessions(runs, out)
+    walls = run_sessions(runs, out, args.session_timeout)
     wall = time.perf_counter() - started
 
     rows, phases, xfails = summarize(junit_files)
