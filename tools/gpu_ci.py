@@ -143,11 +143,11 @@ def longest_first(paths: list[str]) -> list[str]:
 
 def default_workers(gpus: int, cores: int) -> int:
     """xdist workers for the pool session: each starts a pool per world size
-    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 7 per GPU
-    (about 110 CUDA contexts beside the realistic cases' peaks on one H200),
-    and 2 cores each for the host-side work of its ranks, which dominates the
-    realistic cases; 8 at most."""
-    return max(1, min(8, 7 * max(gpus, 1), cores // 2))
+    (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 5 per GPU,
+    and 3 cores each for the host-side work of its ranks, which dominates the
+    realistic cases (on one H200 with 16 cores, 7 workers made every case
+    slower and the pool session longer than 5 did); 8 at most."""
+    return max(1, min(8, 5 * max(gpus, 1), cores // 3))
 
 
 def _xdist_keeps_order() -> list[str]:
