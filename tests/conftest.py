@@ -6,8 +6,10 @@ other: the waiting overlaps the compute, and each set of pools starts once.
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
 then every test file is a group of its own, handed out in the order of the
 command line (it lists the longest first), and each realistic GPU file is
-two, its W <= 2 and its W >= 4 cases, so that its halves run side by side
-(each half still builds its scenarios once, on one worker).
+split by W (at W <= 2, where a rank's host-side work is largest, by DeepSeek
+model too), so that its parts run side by side (each part still builds its
+scenarios once, on one worker; the memory-heavy W = 4 and W = 8 parts stay
+one each).
 
 The groups are chosen here, by path, in the scheduler: xdist 3.8's own
 ``loadgroup`` marks its groups in the legacy ``_nodeid``, which pytest 9.2
@@ -35,7 +37,10 @@ def spread_group(nodeid: str) -> str:
     if not path.startswith(GPU_PREFIX):
         return path
     world = re.search(r"\[W(\d+)", nodeid)
-    return f"{path} W>=4" if world and int(world.group(1)) >= 4 else f"{path} W<=2"
+    if world and int(world.group(1)) >= 4:
+        return f"{path} W{world.group(1)}"
+    model = re.search(r"-(v4\.\d)[-\]]", nodeid)
+    return f"{path} W{world.group(1) if world else ''} {model.group(1) if model else ''}".rstrip()
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist

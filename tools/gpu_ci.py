@@ -2,13 +2,14 @@
 """Pre-merge GPU CI: the staged suite on the GPUs of this host.
 
 The suite's steps (harness self-tests, stage 1, stage 3, stage 9, end to end,
-the realistic-shape GPU tests of tests/gpu, then the stage tests under
-``torchrun``) run in a few *sessions*, all at once: one pytest process with
-``--workers`` xdist workers for every pool step (so each worker starts its
-rank pools once, not once per step), and one ``torchrun --nproc-per-node
-<max(GPUs, 2)>`` job. Each session runs with ``--device cuda`` and
-``--junitxml``; world sizes above the GPU count share GPUs over gloo
-(``--gpu-sharing``), so a one-GPU host runs them all.
+the realistic-shape GPU tests of tests/gpu, then the stage tests and the
+realistic ones under ``torchrun``) run in a few *sessions*, all at once: one
+pytest process with ``--workers`` xdist workers for every pool step (so each
+worker starts its rank pools once, not once per step), and two ``torchrun
+--nproc-per-node <max(GPUs, 2)>`` jobs. Where vLLM imports, a second wave
+runs the stage tests against vLLM and its DCP2 port. Each session runs with
+``--device cuda`` and ``--junitxml``; world sizes above the GPU count share
+GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them all.
 
 Then it reads the JUnit files and prints a summary: step x stage x W x
 backend x ranks (cases passed / failed / skipped, worst error, peak GPU
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -65,7 +67,8 @@ class Session:
     torchrun: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    workers_share: float = 1.0  # of --workers, for a session beside the pool session
+    workers_share: float = 1.0  # of --workers
+    wave: int = 0  # sessions of one wave run at once, the waves one after another
 
 
 POOL_STEPS = (
@@ -90,22 +93,26 @@ LONGEST_FIRST = (
     "tests/selftest/test_torchrun_mode.py",
     "tests/stage3_combine/test_combine.py",
 )
-TORCHRUN_STEP = Step(
-    "torchrun", ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e", "tests/gpu")
-)
 STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+# Under torchrun the stage tests and the realistic ones (about as long, serial
+# either way) run as two jobs side by side.
+TORCHRUN_STEPS = (Step("torchrun", STAGE_PATHS), Step("torchrun-gpu", ("tests/gpu",)))
 # The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
-# carries both to a GPU host); run only where vLLM imports. Beside the pool
-# session, each with a quarter of its workers: every rank process imports vLLM
-# on CUDA, and 10 workers' pools (about 150 ranks) ran one H200 out of memory
-# at pool start.
+# carries both to a GPU host); run only where vLLM imports. In a second wave,
+# after the pool and torchrun sessions, each with half the workers: every rank
+# process imports vLLM on CUDA, and beside the pool session 10 workers' pools
+# (about 150 ranks) ran one H200 out of memory at pool start.
 VLLM_SESSIONS = (
-    Session("vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.25),
-    Session("dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.25),
+    Session(
+        "vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.5, wave=1
+    ),
+    Session(
+        "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.5, wave=1
+    ),
 )
 SESSIONS = (
     Session("pool", POOL_STEPS),
-    Session("torchrun", (TORCHRUN_STEP,), torchrun=True),
+    *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),
     *VLLM_SESSIONS,
 )
 STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
@@ -137,7 +144,9 @@ def longest_first(paths: list[str]) -> list[str]:
 def default_workers(gpus: int, cores: int) -> int:
     """xdist workers for the pool session: each starts a pool per world size
     (1 + 2 + 4 + 8 ranks) on the shared GPUs, so not more than 5 per GPU,
-    and 3 cores each for the host-side work of its ranks; 8 at most."""
+    and 3 cores each for the host-side work of its ranks, which dominates the
+    realistic cases (on one H200 with 16 cores, 7 workers made every case
+    slower and the pool session longer than 5 did); 8 at most."""
     return max(1, min(8, 5 * max(gpus, 1), cores // 3))
 
 
@@ -159,6 +168,7 @@ def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus:
     ]  # fmt: skip
     if session.torchrun:
         ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
+        # --standalone picks a free rendezvous port, so two jobs can run at once.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
     workers = max(1, int(args.workers * session.workers_share))
     if workers > 1:
@@ -173,12 +183,14 @@ class SessionRun:
     name: str
     argv: list[str]
     env: dict
+    wave: int = 0
     code: int | None = None
     seconds: float = 0.0
 
 
-def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
-    """Run one session, its output on stdout (prefixed with its name) and in ``<out>/<name>.log``."""
+def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | None) -> None:
+    """Run one session, its output on stdout (prefixed with its name) and in ``<out>/<name>.log``.
+    After ``timeout`` seconds it gets SIGINT: pytest then stops and still writes its JUnit XML."""
     with lock:
         print(f"\n=== {run.name}: {' '.join(run.argv)}", flush=True)
     started = time.perf_counter()
@@ -186,24 +198,35 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock) -> None:
         proc = subprocess.Popen(
             run.argv, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        timer = threading.Timer(timeout, proc.send_signal, (signal.SIGINT,)) if timeout else None
+        if timer:
+            timer.start()
         for line in proc.stdout:
             log.write(line)
             with lock:
                 sys.stdout.write(f"[{run.name}] {line}")
         run.code = proc.wait()
+        if timer:
+            timer.cancel()
     run.seconds = time.perf_counter() - started
     with lock:
         print(f"=== {run.name}: exit {run.code} in {run.seconds:.1f} s", flush=True)
 
 
-def run_sessions(runs: list[SessionRun], out: Path) -> None:
-    """Every session at once: they share the GPUs and the cores."""
+def run_sessions(runs: list[SessionRun], out: Path, timeout: float | None) -> dict[int, float]:
+    """Each wave's sessions at once (they share the GPUs and the cores), the
+    waves in turn -> each wave's wall seconds."""
     lock = threading.Lock()
-    threads = [threading.Thread(target=_stream, args=(run, out, lock)) for run in runs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    walls = {}
+    for wave in sorted({run.wave for run in runs}):
+        started = time.perf_counter()
+        threads = [threading.Thread(target=_stream, args=(run, out, lock, timeout)) for run in runs if run.wave == wave]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        walls[wave] = time.perf_counter() - started
+    return walls
 
 
 # ---- the summary ------------------------------------------------------------
@@ -214,6 +237,7 @@ class Row:
     passed: int = 0
     failed: int = 0
     skipped: int = 0
+    xfailed: int = 0
     worst_ratios: list = field(default_factory=list)
     max_abs_errs: list = field(default_factory=list)
     gpu_peak_bytes: int = 0
@@ -256,11 +280,14 @@ def step_of(case: ET.Element, step_paths: dict[str, list[str]]) -> str | None:
     return None
 
 
-def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple, Row], dict[str, Phases]]:
-    """-> (summary rows, per-step phases) of the JUnit files, each with the
-    paths of the steps it ran."""
+def summarize(
+    junit_files: dict[Path, dict[str, list[str]]],
+) -> tuple[dict[tuple, Row], dict[str, Phases], list[tuple[str, str, str]]]:
+    """-> (summary rows, per-step phases, expected failures as (step, case,
+    reason)) of the JUnit files, each with the paths of the steps it ran."""
     rows: dict[tuple, Row] = defaultdict(Row)
     phases: dict[str, Phases] = defaultdict(Phases)
+    xfails: list[tuple[str, str, str]] = []
     for path, step_paths in junit_files.items():
         if not path.exists():
             continue
@@ -274,9 +301,13 @@ def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple
             for phase in PHASE_PROPERTIES:
                 step_phases.totals[phase] += float(props.get(f"dcp_{phase}", 0.0))
             row = rows[case_key(step, case)]
+            skipped = case.find("skipped")
             if case.find("failure") is not None or case.find("error") is not None:
                 row.failed += 1
-            elif case.find("skipped") is not None:
+            elif skipped is not None and skipped.get("type") == "pytest.xfail":
+                row.xfailed += 1
+                xfails.append((step, case.get("name", ""), skipped.get("message", "").removeprefix("xfail: ")))
+            elif skipped is not None:
                 row.skipped += 1
             else:
                 row.passed += 1
@@ -286,7 +317,7 @@ def summarize(junit_files: dict[Path, dict[str, list[str]]]) -> tuple[dict[tuple
                     row.max_abs_errs.append(float(props["dcp_max_abs_err"]))
                 peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
                 row.gpu_peak_bytes = max([row.gpu_peak_bytes, *peaks])
-    return rows, phases
+    return rows, phases, xfails
 
 
 def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, ran_cases: bool) -> str | None:
@@ -306,12 +337,31 @@ def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, 
     return None
 
 
-def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[SessionRun], order: list[str]) -> str:
-    """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went."""
+def phase_totals(phases: dict[str, Phases]) -> str:
+    """One line: every step's phases summed (the CI's timing budget, read at a glance)."""
+    totals = {phase: sum(p.totals[phase] for p in phases.values()) for phase in PHASE_PROPERTIES}
+    seconds = sum(p.seconds for p in phases.values())
+    checking = seconds - totals["pool_start_s"] - totals["compile_s"]
+    return (
+        f"phases, summed over every case: cases {seconds:.1f} s = pool start {totals['pool_start_s']:.1f} "
+        f"(CUDA init {totals['cuda_init_s']:.1f}, group init {totals['group_init_s']:.1f}) "
+        f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}"
+    )
+
+
+def render(
+    rows: dict[tuple, Row],
+    phases: dict[str, Phases],
+    runs: list[SessionRun],
+    order: list[str],
+    xfails: list[tuple[str, str, str]],
+) -> str:
+    """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went,
+    then every expected failure with its reason."""
     lines = [
-        "| step | stage | W | backend | ranks | cases | passed | failed | skipped | worst err/tol | max abs err "
-        "| peak GPU GiB |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | stage | W | backend | ranks | cases | passed | failed | xfailed | skipped | worst err/tol "
+        "| max abs err | peak GPU GiB |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def key_order(key):
@@ -323,13 +373,13 @@ def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[Session
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
         peak = f"{row.gpu_peak_bytes / 2**30:.2f}" if row.gpu_peak_bytes else "-"
-        cases = row.passed + row.failed + row.skipped
+        cases = row.passed + row.failed + row.xfailed + row.skipped
         lines.append(
-            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.skipped} | {ratio} | {abs_err} "
-            f"| {peak} |"
+            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.xfailed} | {row.skipped} | {ratio} "
+            f"| {abs_err} | {peak} |"
         )
-    lines += ["", "| session | exit | wall s |", "|---|---:|---:|"]
-    lines += [f"| {run.name} | {run.code} | {run.seconds:.1f} |" for run in runs]
+    lines += ["", "| session | wave | exit | wall s |", "|---|---:|---:|---:|"]
+    lines += [f"| {run.name} | {run.wave} | {run.code} | {run.seconds:.1f} |" for run in runs]
     lines += [
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
@@ -347,8 +397,12 @@ def render(rows: dict[tuple, Row], phases: dict[str, Phases], runs: list[Session
         )
     # The longest modules bound a session's wall time (each runs on one xdist worker).
     modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)
+    lines += ["", phase_totals(phases)]
     lines += ["", "| slowest test modules | step | case s |", "|---|---|---:|"]
     lines += [f"| {module} | {step} | {seconds:.1f} |" for seconds, step, module in modules[:SLOWEST_SHOWN]]
+    if xfails:
+        lines += ["", "| expected failure | step | reason |", "|---|---|---|"]
+        lines += [f"| `{name}` | {step} | {reason.replace('|', '/')} |" for step, name, reason in xfails]
     return "\n".join(lines)
 
 
@@ -378,6 +432,12 @@ def parse_args(argv=None):
         help="pytest-xdist workers of the pool session (default: by GPUs and cores, see default_workers; 0 or 1: none)",
     )
     parser.add_argument("--fail-fast", action="store_true", help="each session stops after its first failure (-x)")
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=None,
+        help="interrupt a session after this many seconds (its finished cases still reach the summary; it fails)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     if args.steps is not None:
@@ -414,15 +474,16 @@ def main(argv=None) -> int:
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
-        runs.append(SessionRun(session.name, argv_, {**os.environ, SPREAD_ENV: "1", **dict(session.env)}))
+        env = {**os.environ, SPREAD_ENV: "1", **dict(session.env)}
+        runs.append(SessionRun(session.name, argv_, env, wave=session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
 
     started = time.perf_counter()
-    run_sessions(runs, out)
+    walls = run_sessions(runs, out, args.session_timeout)
     wall = time.perf_counter() - started
 
-    rows, phases = summarize(junit_files)
+    rows, phases, xfails = summarize(junit_files)
     order = [step for session in sessions for step in (s.name for s in session.steps)]
     problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
     for session in sessions:
@@ -430,13 +491,14 @@ def main(argv=None) -> int:
         problem = missing_breakdown(session, phases, args.device, ran)
         if problem:
             problems.append(problem)
+    waves = ", ".join(f"wave {wave} {seconds:.1f} s" for wave, seconds in walls.items())
     header = (
         f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} cores={cores} pool workers={args.workers} "
-        f"wall {wall:.1f} s\n\n"
+        f"wall {wall:.1f} s ({waves})\n\n"
     )
     if left_out:
         header += f"Not run: {', '.join(s.name for s in VLLM_SESSIONS)}: {left_out}\n\n"
-    summary = header + render(rows, phases, runs, order) + "\n"
+    summary = header + render(rows, phases, runs, order, xfails) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

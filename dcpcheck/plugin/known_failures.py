@@ -37,7 +37,7 @@ def unexplained(defects: list, failure: str) -> list[KnownFailure]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after pytest's xfail handling
 def pytest_runtest_makereport(item, call):
     report = yield
-    if report.when == "call" and hasattr(report, "wasxfail"):
+    if report.when == "call" and report.skipped and hasattr(report, "wasxfail"):  # xfailed; an XPASS has passed
         missed = unexplained(item.stash.get(DECLARED, []), report.longreprtext)
         if missed:
             shows = "; ".join(f"/{defect.shows}/" for defect in missed)

@@ -5,7 +5,8 @@ CPU). On CUDA the GPU tests build the same scenarios at a DSV4-Flash-like
 profile, so kernels, collectives and tolerances meet the sizes a serving
 engine runs: 64 heads of D = 512, a window of 128, top-k 512, 64 states per
 page, bf16 outputs with fp32 LSEs, up to 256 decode rows and prefill chunks
-of several thousand tokens.
+of several thousand tokens. Each DeepSeek model has its own: V4.0's at its
+compress ratios 4 and 128, V4.1's at its ratios 1 and 2.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ class ShapeProfile:
     dtype: torch.dtype  # q, caches and outputs; LSEs are fp32 always
     decode_rows: dict[int, int]  # rho -> token rows of one decode step batch
     prefill_chunk: int  # rows of the long request's prefill chunk
+    # Set: a page holds this many tokens whatever rho, so a compressed page
+    # holds page_tokens // rho states (DSV4.1's compressed block size,
+    # flashinfer_sparse.py: attn_metadata.block_size // self.compress_ratio).
+    page_tokens: int | None = None
+
+    def states_per_page(self, rho: int) -> int:
+        return self.page_tokens // rho if self.page_tokens else self.bs
 
     def layout(self, rho: int, world_size: int) -> KvLayout:
-        return KvLayout(rho=rho, bs=self.bs, interleave=self.interleave, world_size=world_size)
+        return KvLayout(rho=rho, bs=self.states_per_page(rho), interleave=self.interleave, world_size=world_size)
 
     def num_decodes(self, rho: int) -> int:
         """``num_decodes`` that grows :func:`build_step_batch`'s edge-case rows
@@ -62,7 +70,7 @@ SMALL = ShapeProfile(
     bs=8,
     interleave=2,
     dtype=torch.float32,
-    decode_rows={4: 32, 128: 24},
+    decode_rows={1: 32, 2: 32, 4: 32, 128: 24},
     prefill_chunk=40,
 )
 
@@ -82,9 +90,27 @@ DSV4_FLASH = ShapeProfile(
     prefill_chunk=4096,
 )
 
-PROFILES = {profile.name: profile for profile in (SMALL, DSV4_FLASH)}
+# DeepSeek-V4.1: V4-Flash's attention shapes at V4.1's compress ratios 1 and
+# 2 (dcpcheck.scenarios.topology), on 64-token pages: 64 and 32 states a page.
+DSV41 = ShapeProfile(
+    name="dsv4.1",
+    num_heads=64,
+    head_dim=512,
+    window=128,
+    top_k=512,
+    bs=64,
+    interleave=1,
+    dtype=torch.bfloat16,
+    decode_rows={1: 256, 2: 256},
+    prefill_chunk=4096,
+    page_tokens=64,
+)
+
+PROFILES = {profile.name: profile for profile in (SMALL, DSV4_FLASH, DSV41)}
+# The DeepSeek model -> its realistic profile on CUDA.
+REALISTIC = {"v4.0": DSV4_FLASH, "v4.1": DSV41}
 
 
-def profile_for(device_type: str) -> ShapeProfile:
-    """The realistic profile on CUDA, the small one elsewhere."""
-    return DSV4_FLASH if device_type == "cuda" else SMALL
+def profile_for(device_type: str, model: str = "v4.0") -> ShapeProfile:
+    """The realistic profile of ``model`` (a key of REALISTIC) on CUDA, the small one elsewhere."""
+    return REALISTIC[model] if device_type == "cuda" else SMALL

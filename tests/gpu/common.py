@@ -12,10 +12,11 @@ from dcpcheck.scenarios.batch import StepBatch
 from dcpcheck.scenarios.profiles import profile_for
 
 
-def profile_name(dcp) -> str:
-    """The case parameter naming the profile a test runs at on this device
-    (a name: failure messages and the task sent to the ranks stay small)."""
-    return profile_for(dcp.device_type).name
+def profile_name(dcp, model: str) -> str:
+    """The case parameter naming the profile of DeepSeek ``model`` ("v4.0",
+    "v4.1") a test runs at on this device (a name: failure messages and the
+    task sent to the ranks stay small)."""
+    return profile_for(dcp.device_type, model).name
 
 
 def shared_seed(dcp, scenario: str) -> int:

@@ -85,4 +85,4 @@ def check_combine_graph_replay(ctx, *, profile, backend, num_tokens):
 @pytest.mark.parametrize("num_tokens", [8, 256])
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_combine_graph_replay_equals_eager(dcp, backend, num_tokens):
-    dcp.run(check_combine_graph_replay, profile=profile_name(dcp), backend=backend, num_tokens=num_tokens)
+    dcp.run(check_combine_graph_replay, profile=profile_name(dcp, "v4.0"), backend=backend, num_tokens=num_tokens)

@@ -1,4 +1,5 @@
-"""Stage 3 at the realistic profile (CUDA): a decode step of up to 256 rows
+"""Stage 3 at the realistic profiles (CUDA; DeepSeek-V4.0's compress ratios 4
+and 128, V4.1's 1 and 2): a decode step of up to 256 rows
 through the implementation's stage-1 filter and whole stage-3 path
 (gather, partial attention over top-k 512 + window 128 + sink, combine) at
 64 heads of D = 512 in bf16, against DCP1: the implementation's own W = 1
@@ -133,9 +134,13 @@ def check_realistic_decode(ctx, *, profile, rho, backend, scenario_seed):
     return summary(stats)
 
 
-@pytest.mark.parametrize("rho, backend", [(4, "ag_rs"), (4, "a2a"), (128, "ag_rs"), (128, "a2a")])
-def test_realistic_decode_matches_dcp1(dcp, rho, backend):
+@pytest.mark.parametrize(
+    "model, rho",
+    [("v4.0", 4), ("v4.0", 128), ("v4.1", 1), ("v4.1", 2)],  # each model at its compress ratios
+)
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_realistic_decode_matches_dcp1(dcp, model, rho, backend):
     dcp.run(
-        check_realistic_decode, profile=profile_name(dcp), rho=rho, backend=backend,
+        check_realistic_decode, profile=profile_name(dcp, model), rho=rho, backend=backend,
         scenario_seed=shared_seed(dcp, f"decode-rho{rho}"),
     )  # fmt: skip

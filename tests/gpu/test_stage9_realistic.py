@@ -1,4 +1,5 @@
-"""Stage 9 at the realistic profile (CUDA): a prefill step whose long request
+"""Stage 9 at the realistic profiles (CUDA; DeepSeek-V4.0's compress ratios 4
+and 128, V4.1's 1 and 2): a prefill step whose long request
 prefills several thousand tokens, through the implementation's attention
 layer on both prefill paths (the compressed-KV gather, and stage 3 in
 sub-chunks), against DCP1: the implementation's own W = 1 layer on every
@@ -103,11 +104,16 @@ def check_realistic_prefill(ctx, *, profile, rho, gather, backend, scenario_seed
 
 
 @pytest.mark.parametrize(
-    "rho, gather, backend",
-    [(4, True, None), (4, False, "ag_rs"), (4, False, "a2a"), (128, True, None), (128, False, "a2a")],
-)
-def test_realistic_prefill_matches_dcp1(dcp, rho, gather, backend):
+    "model, rho, gather, backend",
+    [
+        ("v4.0", 4, True, None), ("v4.0", 4, False, "ag_rs"), ("v4.0", 4, False, "a2a"),
+        ("v4.0", 128, True, None), ("v4.0", 128, False, "a2a"),
+        ("v4.1", 1, True, None), ("v4.1", 1, False, "a2a"),
+        ("v4.1", 2, True, None), ("v4.1", 2, False, "ag_rs"), ("v4.1", 2, False, "a2a"),
+    ],
+)  # fmt: skip
+def test_realistic_prefill_matches_dcp1(dcp, model, rho, gather, backend):
     dcp.run(
-        check_realistic_prefill, profile=profile_name(dcp), rho=rho, gather=gather, backend=backend,
+        check_realistic_prefill, profile=profile_name(dcp, model), rho=rho, gather=gather, backend=backend,
         scenario_seed=shared_seed(dcp, f"prefill-rho{rho}"),
     )  # fmt: skip
