@@ -48,7 +48,7 @@ REASONS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "_run_sm120_dcp",
-        r"\bev\[|torch\.cuda\.Event|elapsed_time|\bacc\b|acc\[|_dsv41_prefill_acc_add|logger\.info\(",
+        r"\bev\[|torch\.cuda\.Event|elapsed_time|\bacc\b|acc\[|_dsv41_prefill_acc_add|logger\.info\(|^if prefill_timing:",
         "timing diagnostics: CUDA events (DSV41_DCP_TIMING=1 or the DCP2 stack's prefill timing)",
     ),
     (
