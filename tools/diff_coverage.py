@@ -36,6 +36,7 @@ PORT_FILE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"
 STAGES = ("stage1_index", "stage3_combine", "stage9_prefill", "e2e")
 STAGE_OF_CONTEXT = re.compile(r"tests[/.](" + "|".join(STAGES) + r")[/.]")
 MODULE_LEVEL = "module level (run on import)"
+RUNS_FILE = "runs.txt"
 
 # Why a line cannot run on this machine, first match wins: (function or "",
 # regular expression on the line's code, reason). A line matching none is
@@ -149,6 +150,8 @@ def run(args) -> int:
     command = [sys.executable, "-m", "coverage", "run", f"--rcfile={config}", "-m", "pytest"]
     command += ["-p", "dcpcheck.coverage_context", *args.pytest_args]
     status = subprocess.call(command, env=env)
+    with open(args.data / RUNS_FILE, "a") as runs:  # the report says what was measured
+        runs.write(f"pytest {' '.join(args.pytest_args)} (exit {status})\n")
     if args.markdown:
         report(args)
     return status
@@ -178,6 +181,11 @@ def executed_by_stage(data_dir: Path, port: Path) -> dict[int, set[str]]:
     return stages
 
 
+def runs_of(data_dir: Path) -> list[str]:
+    path = data_dir / RUNS_FILE
+    return path.read_text().splitlines() if path.is_file() else ["(not recorded)"]
+
+
 def report(args) -> None:
     port, stock = tree_and_stock(args.tree)
     lines = diff_statements(port, stock)
@@ -189,6 +197,10 @@ def report(args) -> None:
         "",
         f"Written by `tools/diff_coverage.py` from `{args.tree}` against the vLLM it links to: "
         f"{len(lines)} statements added or changed by the diff, {len(in_functions)} of them inside functions.",
+        "",
+        "Measured runs:",
+        "",
+        *[f"    {line}" for line in runs_of(args.data)],
         "",
         "| stage folder | statements in functions run | of | % |",
         "|---|---|---|---|",
