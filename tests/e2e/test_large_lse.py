@@ -47,7 +47,7 @@ def check_large_lse_trace(ctx):
 
 
 @pytest.mark.stage(STAGE_COMBINE)
-@pytest.mark.world_sizes(1, 2)
+@pytest.mark.world_sizes(2)  # the combine's first W; W = 1 combines nothing
 @pytest.mark.scenario("stage3_prefill_trace")
 def test_large_lse_trace(dcp):
     if coarser_dtype(torch.float32, conventions_of(dcp.impl).layer_dtype) == torch.float32:
