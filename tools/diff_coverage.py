@@ -15,9 +15,11 @@ run gets the reason of ``REASONS`` that matches it, or shows as unexplained.
     tools/diff_coverage.py run --data build/diffcov -- --dcp-impl dsv41 tests/stage1_index
     tools/diff_coverage.py report --data build/diffcov --markdown reports/dsv41_diff_coverage.md
 
-Measurement is restricted to the tree's file, so the Triton interpreter and
-the suite run at full speed; the zygote (a subprocess), the ranks (its forks)
-and their ``os._exit`` are covered by coverage.py's ``patch`` settings.
+Measurement is restricted to the tree's file (no line is recorded anywhere
+else; Python 3.11's tracer still sees every call, the Triton interpreter's
+included, so a measured run takes up to about twice as long); the zygote (a
+subprocess), the ranks (its forks) and their ``os._exit`` are covered by
+coverage.py's ``patch`` settings.
 """
 
 from __future__ import annotations
