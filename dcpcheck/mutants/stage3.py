@@ -181,6 +181,22 @@ MUTANTS = (
         ),
     ),
     combine_mutant(
+        name="LseNarrowedToBf16",
+        description="the partial LSEs are narrowed to bf16 on their way to the combine (stored beside the bf16 "
+        "partial outputs): each rank's weight 2^(lse_r - L) is off by up to |lse_r| * 2^-8 in the exponent",
+        patch=Patch(
+            "attention.py",
+            "        outputs.append(combine(out, lse, group, backend=backend))\n",
+            "        outputs.append(combine(out, lse.to(torch.bfloat16).float(), group, backend=backend))\n",
+        ),
+    ),
+    combine_mutant(
+        name="WindowOnEvenRanks",
+        description="the window and the sink are attended on every even DCP rank (the rank read within a group of "
+        "two): the same as rank 0 alone at W = 2, counted W/2 times from W = 4 on",
+        patch=Patch("attention.py", "    if rank != 0:\n", "    if rank % 2 != 0:\n"),
+    ),
+    combine_mutant(
         name="CacheOffsetInt32",
         description="attention gathers its candidate rows by element offset slot * D computed in int32: past "
         "2^31 elements (a 4 GiB bf16 cache of 512-wide rows) the offset wraps and another row is read",

@@ -289,13 +289,14 @@ class RankPool:
             self.tmpdir = None
 
     # ---- running a case --------------------------------------------------
-    def run(self, fn, case: dict, *, seed: int, impl_spec: str, timeout: float) -> CaseResult:
+    def run(self, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str = "") -> CaseResult:
         """One case on every rank. A result with stuck or dead ranks leaves the
         pool unusable (its group is broken): its owner kills it."""
         task = {
             "op": "run",
             "fn": pickle.dumps(fn),
             "case": case,
+            "case_id": case_id,  # the test's node id (coverage contexts: dcpcheck.coverage_context)
             "seed": seed,
             "impl": impl_spec,
             "sys_path": list(sys.path),

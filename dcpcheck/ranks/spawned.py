@@ -69,7 +69,7 @@ class SpawnedRanks:
         for attempt in (1, 2):
             pool, started = self._live_pool(world_size, impl_spec)
             try:
-                result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout)
+                result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout, case_id=case_id)
                 if started:
                     result.pool_startup = dict(pool.startup)
             except RankGoneBeforeCase as gone:

@@ -98,6 +98,7 @@ def _init_group(args, startup: dict):
 
 
 def _run_task(task: dict, group):
+    from dcpcheck.coverage_context import switch as switch_coverage_context
     from dcpcheck.impls.registry import load_implementation
     from dcpcheck.ranks.rankfn import RankContext, run_rank_case
 
@@ -105,6 +106,7 @@ def _run_task(task: dict, group):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     group.collective_calls = 0
+    switch_coverage_context(task["case_id"])
     fn = pickle.loads(task["fn"])
     impl = load_implementation(task["impl"])
     ctx = RankContext(group=group, device=group.device, impl=impl, seed=task["seed"], case=task["case"])

@@ -95,12 +95,16 @@ class LayerTensors:
         rounded_to: torch.dtype | None = None,
         kv_from: LayerTensors | None = None,
         topk_from: LayerTensors | None = None,
+        common_component: float = 0.0,
     ):
         """``rounded_to``: the dtype the layer under test computes in; q, the
         latents and the states are drawn in fp32 and rounded through it, so
         the oracle reads exactly what that layer reads. ``kv_from``: the
         kv-source layer's data, whose latents and states this layer shares;
-        ``topk_from``: the index-source layer's data, whose top-k it reads."""
+        ``topk_from``: the index-source layer's data, whose top-k it reads.
+        ``common_component``: the value of dimension 0 of every q and latent
+        row (0: drawn like the others); every q·k gains its square, which
+        moves every LSE up and leaves the softmax over the candidates as it was."""
         self.spec = spec
         self.seed = seed
         self.topk_seed = seed if topk_from is None else topk_from.topk_seed
@@ -114,6 +118,8 @@ class LayerTensors:
         self.q, self.latent, self.states = {}, {}, {}
         for request in requests:
             self.q[request.uid] = rounded(torch.randn(request.final_len, num_heads, head_dim, generator=gen))
+            if common_component:
+                self.q[request.uid][..., 0] = common_component
             if kv_from is not None:
                 self.latent[request.uid], self.states[request.uid] = (
                     kv_from.latent[request.uid],
@@ -121,6 +127,8 @@ class LayerTensors:
                 )
                 continue
             self.latent[request.uid] = rounded(torch.randn(request.final_len, head_dim, generator=gen))
+            if common_component:
+                self.latent[request.uid][:, 0] = common_component
             if spec.compressed:
                 self.states[request.uid] = rounded(compress_states(self.latent[request.uid], spec.rho))
                 if spec.rho == 128 and request.final_len // spec.rho > spec.top_k:

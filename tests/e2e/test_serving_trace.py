@@ -92,10 +92,12 @@ def check_serving_trace(
     token_budget: int = TOKEN_BUDGET,
     prefill_token_chunk=None,
     heads_per_rank: int | None = None,
+    common_component: float = 0.0,
 ):
     """``layers``: the stack, or generated from ``topology`` (the layers each
     told its place in it). ``heads_per_rank``: H = heads_per_rank * W (default
-    H = NUM_HEADS); an implementation that declares its ``local_heads`` gets those instead."""
+    H = NUM_HEADS); an implementation that declares its ``local_heads`` gets those instead.
+    ``common_component``: LayerTensors' (large LSEs)."""
     declared = conventions_of(ctx.impl)
     if topology is not None:
         layers = topology.layer_specs(
@@ -116,6 +118,7 @@ def check_serving_trace(
                 rounded_to=declared.layer_dtype,
                 kv_from=None if spec.kv_source is None else tensors[spec.kv_source],
                 topk_from=None if spec.index_source is None else tensors[spec.index_source],
+                common_component=common_component,
             )
         )
     # The tolerance is that of the dtype asked for (fp32 here) or of the one the

@@ -105,6 +105,11 @@ class Dsv41Implementation:
             )
         )
 
+    @property
+    def prefill_chunk_size(self) -> int:
+        """Prefill requests the forward attends per chunk: the tree's ``PREFILL_CHUNK_SIZE``."""
+        return getattr(self.tree.module({}), self.tree.spec.cls).PREFILL_CHUNK_SIZE
+
     def serving_probes(self) -> dict[str, str | None]:
         """What the tree's own code says of how it serves the port (:mod:`.serving`): name -> finding or None."""
         return self.findings.by_name()
