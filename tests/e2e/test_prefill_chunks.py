@@ -18,6 +18,7 @@ from dcpcheck.scenarios.trace import RequestSpec
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 from tests.e2e.test_serving_trace import DSV41_RATIO1_TOPOLOGY, check_serving_trace
 
+pytestmark = pytest.mark.needs("build_attention")
 PREFILL_CHUNK_SIZE = 4  # vLLM 0.33.0's, for implementations that declare none
 PROMPT_LENGTHS = (5, 9, 3, 12, 7, 6, 4, 8)  # cycled: the third prompt's rows cross token 16 of its chunk
 SUB_CHUNK_TOKENS = 16
