@@ -53,14 +53,6 @@ def spread_group(nodeid: str) -> str:
     return f"{path} W>=4" if world and int(world.group(1)) >= 4 else f"{path} W<=2"
 
 
-def selftests_run_together(config) -> bool:
-    """Whether this process runs every selected self-test: no xdist, or the
-    README's grouping (all self-tests one group, on one worker)."""
-    if not hasattr(config, "workerinput"):
-        return True
-    return config.getoption("dist") == "loadgroup" and os.environ.get(SPREAD_ENV) != "1"
-
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadgroup":

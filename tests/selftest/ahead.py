@@ -53,7 +53,6 @@ class Running:
 Start = Callable[[pytest.TempPathFactory], Running]
 _STARTS: dict[str, Start] = {}
 _running: dict[str, Running] = {}
-_started_ahead = False
 
 
 def starts_ahead(fixture_name: str) -> Callable[[Start], Start]:
@@ -68,12 +67,7 @@ def starts_ahead(fixture_name: str) -> Callable[[Start], Start]:
 
 
 def start_ahead(items: list[pytest.Item], tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Start the registered sessions that a test in ``items`` uses (one not
-    skipped); once per process, when its first self-test runs."""
-    global _started_ahead
-    if _started_ahead:
-        return
-    _started_ahead = True
+    """Start the registered sessions that a test in ``items`` uses (one not skipped)."""
     used = {name for item in items if not item.get_closest_marker("skip") for name in item.fixturenames}
     for name, start in _STARTS.items():
         if name in used and name not in _running:
