@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.selftest.ahead import Running
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INNER_CONFTEST = 'pytest_plugins = ["dcpcheck.plugin"]\n'
 
@@ -62,6 +60,17 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
+    proc = start_inner_pytest(tmp_path, args, **env)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a hung inner session must not outlive its test
+        output, _ = proc.communicate()
+        raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}") from None
+    return proc.returncode, output
+
+
 def run_sessions_in_one_interpreter(
     tmp_path: Path, cases: dict[str, tuple[list[str], dict[str, str]]], timeout: float = 240
 ) -> dict[str, tuple[int, str]]:
@@ -69,25 +78,13 @@ def run_sessions_in_one_interpreter(
     arguments, its environment), all run in one interpreter from ``tmp_path``
     (written with :func:`write_session`). For sessions whose checks need no
     process of their own: each costs a collection, not an interpreter start."""
-    return sessions_results(start_sessions_in_one_interpreter(tmp_path, cases, timeout), cases)
-
-
-def start_sessions_in_one_interpreter(
-    tmp_path: Path, cases: dict[str, tuple[list[str], dict[str, str]]], timeout: float = 240
-) -> Running:
-    """:func:`run_sessions_in_one_interpreter` started; :func:`sessions_results` reads it."""
     (tmp_path / "cases.json").write_text(json.dumps([{"args": args, "env": env} for args, env in cases.values()]))
     env = inner_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])  # implementations by module name
-    proc = subprocess.Popen(
+    proc = subprocess.run(
         [sys.executable, "-m", "tests.selftest.session_probe", "cases.json"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    return Running(proc, timeout)
-
-
-def sessions_results(running: Running, cases: dict) -> dict[str, tuple[int, str]]:
-    ended = running.wait()
-    assert ended.code == 0, ended.stdout + ended.stderr
-    results = json.loads(ended.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(proc.stdout)
     return {name: (result["code"], result["output"]) for name, result in zip(cases, results)}

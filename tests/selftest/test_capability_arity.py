@@ -15,8 +15,7 @@ import re
 import pytest
 
 from dcpcheck.port.impl import EmbeddedPort
-from tests.selftest.ahead import Running, running, starts_ahead
-from tests.selftest.inner import REPO_ROOT, start_inner_pytest
+from tests.selftest.inner import REPO_ROOT, run_inner_pytest
 
 pytestmark = pytest.mark.spawned_only
 
@@ -56,21 +55,11 @@ def failure_sections(output: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-@starts_ahead("bare_tensor_session")
-def _start_bare_tensor_session(tmp_path_factory) -> Running:
+def test_a_bare_tensor_where_out_lse_was_asked_fails_naming_the_capability(tmp_path):
     nodes = [str(REPO_ROOT / node) for node in CASES]
-    args = ["--dcp-impl", f"{__name__}:BareTensorFromAgRs", "--world-sizes", "1,2", *nodes]
-    return Running(start_inner_pytest(tmp_path_factory.mktemp("bare_tensor"), args), timeout=240)
-
-
-@pytest.fixture(scope="module")
-def bare_tensor_session(tmp_path_factory):
-    ended = running("bare_tensor_session", tmp_path_factory).wait()
-    return ended.code, ended.stdout
-
-
-def test_a_bare_tensor_where_out_lse_was_asked_fails_naming_the_capability(bare_tensor_session):
-    code, output = bare_tensor_session
+    code, output = run_inner_pytest(
+        tmp_path, ["--dcp-impl", f"{__name__}:BareTensorFromAgRs", "--world-sizes", "1,2", *nodes]
+    )
     assert code == 1, output
     sections = failure_sections(output)
     for node, message in CASES.items():

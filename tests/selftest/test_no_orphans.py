@@ -14,7 +14,6 @@ import pytest
 
 from dcpcheck.ranks.pool import STOP_WAIT_S
 from dcpcheck.ranks.procstate import process_state_letter
-from tests.selftest.ahead import Running, running, starts_ahead
 from tests.selftest.inner import start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
@@ -158,22 +157,18 @@ def test_one_more_pool(dcp):
 """
 
 
-@starts_ahead("finished_session")
-def _start_finished_session(tmp_path_factory) -> Running:
+@pytest.fixture(scope="module")
+def finished_session(tmp_path_factory):
+    """-> (the inner pytest's pid, its output with a line per passed test, its TMPDIR)."""
     tmp_path = tmp_path_factory.mktemp("finished")
     pid_file = tmp_path / "pids"
     tests = FINISHED_SESSION_TESTS.format(pid_file=pid_file, pid_file_name=pid_file.name)
     write_session(tmp_path, {"test_finished.py": tests})
-    (tmp_path / "tmp").mkdir()
-    args = ["-rA", "--world-sizes", "1,2", "--dcp-timeout", "20"]
-    return Running(start_inner_pytest(tmp_path, args, TMPDIR=str(tmp_path / "tmp")), timeout=240, where=tmp_path)
-
-
-@pytest.fixture(scope="module")
-def finished_session(tmp_path_factory):
-    """-> (the inner pytest's pid, its output with a line per passed test, its TMPDIR)."""
-    session = running("finished_session", tmp_path_factory)
-    return session.proc.pid, session.wait().stdout, session.where / "tmp"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = start_inner_pytest(tmp_path, ["-rA", "--world-sizes", "1,2", "--dcp-timeout", "20"], TMPDIR=str(scratch))
+    output, _ = proc.communicate(timeout=240)
+    return proc.pid, output, scratch
 
 
 def _passed(output: str, *tests: str) -> None:

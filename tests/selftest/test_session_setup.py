@@ -4,16 +4,11 @@ pytest session (they happen at configure and collection time)."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from tests.selftest.ahead import Running, running, starts_ahead
-from tests.selftest.inner import (
-    sessions_results,
-    start_inner_pytest,
-    start_sessions_in_one_interpreter,
-    write_session,
-)
+from tests.selftest.inner import run_inner_pytest, run_sessions_in_one_interpreter, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -215,8 +210,8 @@ SESSIONS = {
 }
 
 
-@starts_ahead("sessions")
-def _start_sessions(tmp_path_factory) -> Running:
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("sessions")
     files = {
         "test_staged.py": STAGED_TESTS,
@@ -231,12 +226,7 @@ def _start_sessions(tmp_path_factory) -> Running:
         "test_changes_inputs.py": CHANGES_INPUTS_TESTS,
     }
     write_session(tmp_path, files)
-    return start_sessions_in_one_interpreter(tmp_path, SESSIONS)
-
-
-@pytest.fixture(scope="module")
-def sessions(tmp_path_factory):
-    return sessions_results(running("sessions", tmp_path_factory), SESSIONS)
+    return run_sessions_in_one_interpreter(tmp_path, SESSIONS)
 
 
 @pytest.mark.parametrize("raw", BAD_STAGE_VALUES)
@@ -372,26 +362,29 @@ def test_c_not_tried_again(dcp):
 """
 
 
-@starts_ahead("hung_question_session")
-def _start_hung_question_session(tmp_path_factory) -> Running:
-    tmp_path = tmp_path_factory.mktemp("hung_question")
+def test_hung_question_and_dying_pool_fail_fast(tmp_path):
     write_session(tmp_path, {"broken.py": BROKEN_AT_FORK_IMPL, "test_broken.py": BROKEN_AT_FORK_TESTS})
-    # CPU: only there does the zygote import the implementation before it forks the ranks.
-    args = ["--device", "cpu", "--dcp-impl", "broken.py:BrokenAtFork", "--world-sizes", "2", "-k", "W2"]
-    return Running(start_inner_pytest(tmp_path, [*args, "--dcp-timeout", "2"]), timeout=240)
-
-
-@pytest.fixture(scope="module")
-def hung_question_session(tmp_path_factory):
-    return running("hung_question_session", tmp_path_factory).wait()
-
-
-def test_hung_question_and_dying_pool_fail_fast(hung_question_session):
-    code, output = hung_question_session.code, hung_question_session.stdout
+    started = time.perf_counter()
+    code, output = run_inner_pytest(
+        tmp_path,
+        # CPU: only there does the zygote import the implementation before it forks the ranks.
+        [
+            "--device",
+            "cpu",
+            "--dcp-impl",
+            "broken.py:BrokenAtFork",
+            "--world-sizes",
+            "2",
+            "-k",
+            "W2",
+            "--dcp-timeout",
+            "2",
+        ],
+    )
     assert code == 1 and "3 failed" in output, output
     assert "broken.py:BrokenAtFork.unavailable_reason(terms) did not return within 2 s" in output
     assert "time.sleep(3600)" in output  # its stack
     assert "could not start 2 ranks (cpu/gloo" in output and "exited with code 9" in output, output
     assert "timed out after" not in output
     assert "not tried again: the pool of 2 ranks failed to start earlier in this session" in output
-    assert hung_question_session.seconds < 60
+    assert time.perf_counter() - started < 60

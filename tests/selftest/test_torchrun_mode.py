@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.selftest.ahead import Running, running, starts_ahead
 from tests.selftest.inner import default_placement, inner_env, write_session
 
 pytestmark = pytest.mark.spawned_only
@@ -112,8 +112,8 @@ def _outcomes(junit_path) -> dict[str, tuple[str, str, float]]:
     return found
 
 
-@starts_ahead("torchrun_session")
-def _start_torchrun_session(tmp_path_factory) -> Running:
+@pytest.fixture(scope="module")
+def torchrun_session(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("torchrun")
     write_session(tmp_path, {"test_torchrun.py": TORCHRUN_TESTS, "disagreeing.py": DISAGREEING_IMPL})
     cmd = [
@@ -122,19 +122,11 @@ def _start_torchrun_session(tmp_path_factory) -> Running:
         "--dcp-impl", IMPL_SPEC,
         "--junitxml", str(tmp_path / "junit.xml"), "test_torchrun.py",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=inner_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    return Running(proc, timeout=120, where=tmp_path)
-
-
-@pytest.fixture(scope="module")
-def torchrun_session(tmp_path_factory):
-    session = running("torchrun_session", tmp_path_factory)
-    ended = session.wait()
-    output = ended.stdout + ended.stderr
-    assert (session.where / "junit.xml").exists(), output
-    return ended.code, output, _outcomes(session.where / "junit.xml"), ended.seconds
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert (tmp_path / "junit.xml").exists(), output
+    return proc.returncode, output, _outcomes(tmp_path / "junit.xml"), time.perf_counter() - started
 
 
 def test_ranks_agree_and_only_rank_zero_reports(torchrun_session):
