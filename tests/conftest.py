@@ -1,7 +1,10 @@
 """``pytest -n 2 --dist loadgroup`` (the README's test command) runs the
-self-tests, which mostly wait (on inner sessions and planted timeouts), on
-one xdist worker, and the stage tests, which keep the cores busy, on the
-other: the waiting overlaps the compute, and each set of pools starts once.
+self-tests, which mostly wait (on inner sessions and planted timeouts), as
+one group on one xdist worker, and each stage test file as a group of its
+own: the other worker starts on the stage files, longest first, and whichever
+worker is free takes the next file, so the self-tests' waiting overlaps the
+compute and neither worker idles at the end. A worker's pools are started
+once per world size and serve every group it runs (the self-tests' pools too).
 
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
 then every test file is a group of its own, handed out in the order of the
@@ -28,8 +31,20 @@ GPU_PREFIX = "tests/gpu/"
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
 
 
-def two_groups(nodeid: str) -> str:
-    return "selftest" if nodeid.startswith(SELFTEST_PREFIX) else "stages"
+# Stage files handed out first, in this order (the longest on 2 CPU cores);
+# the others follow in xdist's order (the most tests first).
+LONGEST_STAGE_FILES = ("tests/e2e/test_serving_trace.py", "tests/stage9_prefill/test_prefill_attention.py")
+
+
+def selftests_and_files(nodeid: str) -> str:
+    return "selftest" if nodeid.startswith(SELFTEST_PREFIX) else nodeid.split("::")[0]
+
+
+def handed_out_first(group: str) -> int:
+    """The self-tests first (their waits then overlap everything else), then the longest stage files."""
+    if group == "selftest":
+        return 0
+    return 1 + LONGEST_STAGE_FILES.index(group) if group in LONGEST_STAGE_FILES else 1 + len(LONGEST_STAGE_FILES)
 
 
 def spread_group(nodeid: str) -> str:
@@ -49,10 +64,16 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
-    group_of = spread_group if os.environ.get(SPREAD_ENV) == "1" else two_groups
+    spread = os.environ.get(SPREAD_ENV) == "1"
 
     class PathGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid)
+            return spread_group(nodeid) if spread else selftests_and_files(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not spread:  # in place of xdist's order (by test count, unless --no-loadscope-reorder)
+                first = min(self.workqueue, key=handed_out_first)  # min: the earliest of equals
+                self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
 
     return PathGroups(config, log)
