@@ -28,16 +28,7 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from dcpcheck.ranks.messages import (
-    CaseStarted,
-    RankExited,
-    RankFailedToStart,
-    RankHello,
-    RankReady,
-    RunCase,
-    Stop,
-    ZygoteHello,
-)
+from dcpcheck.ranks import messages
 from dcpcheck.ranks.reaper import (
     become_subreaper,
     die_with_parent,
@@ -104,7 +95,7 @@ def _init_group(args, startup: dict):
     )
 
 
-def _run_task(task: RunCase, group, impl_spec: str):
+def _run_task(task: messages.RunCase, group, impl_spec: str):
     from dcpcheck.impls.registry import load_implementation
     from dcpcheck.ranks.rankfn import RankContext, run_rank_case
 
@@ -164,7 +155,7 @@ def zygote_main(args) -> int:
     become_subreaper()
     _preload(args)
     conn = _connect(args.socket)
-    conn.send(ZygoteHello(os.getpid()))
+    conn.send(messages.ZygoteHello(os.getpid()))
     ranks = {}
     for rank in range(args.world_size):
         pid = os.fork()
@@ -175,7 +166,7 @@ def zygote_main(args) -> int:
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
-            conn.send(RankExited(ranks.pop(pid), os.waitstatus_to_exitcode(status)))
+            conn.send(messages.RankExited(ranks.pop(pid), os.waitstatus_to_exitcode(status)))
     kill_tree(os.getpid(), include_root=False)  # what the ranks left behind, re-parented to this subreaper
     return 0
 
@@ -201,24 +192,24 @@ def rank_main(args, rank: int) -> int:
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
     conn = _connect(args.socket)
-    conn.send(RankHello(rank, os.getpid()))
+    conn.send(messages.RankHello(rank, os.getpid()))
     startup = {}
     try:
         group = _init_group(args, startup)
     except Exception as exc:
         from dcpcheck.ranks.rankfn import describe_exception
 
-        conn.send(RankFailedToStart(rank, describe_exception(exc)))
+        conn.send(messages.RankFailedToStart(rank, describe_exception(exc)))
         raise
-    conn.send(RankReady(args.rank, os.getpid(), startup))
+    conn.send(messages.RankReady(args.rank, os.getpid(), startup))
     while True:
         try:
             task = conn.recv()
         except EOFError:
             return 0
-        if isinstance(task, Stop):
+        if isinstance(task, messages.Stop):
             break
-        conn.send(CaseStarted())
+        conn.send(messages.CaseStarted())
         outcome = _run_task(task, group, args.impl)
         end_case_processes(before=set())  # a rank starts nothing itself: every descendant is the case's
         conn.send(outcome)
