@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.checks.cases import DTYPES, checked_layer_output, own_heads
+from dcpcheck.case_terms import DTYPES
+from dcpcheck.checks.cases import checked_layer_output, own_heads
 from dcpcheck.compare import format_context
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import dense_state_slots

@@ -45,14 +45,9 @@ def scenario_properties(item) -> set[str]:
 
 
 def _world_size_skip(session: DcpSession, world_size: int) -> str | None:
-    if session.torchrun_world_size:
-        if world_size != session.torchrun_world_size:
-            return f"torchrun launched W={session.torchrun_world_size}; this case needs W={world_size}"
-        return None
-    if world_size not in session.selected_world_sizes:
-        sizes = ",".join(map(str, session.selected_world_sizes))
-        return f"W={world_size} is not selected (--world-sizes {sizes}); add it to --world-sizes to run it"
-    return session.placement_refused(world_size)
+    return session.mode.world_size_skip(world_size, session.selected_world_sizes) or session.placement_refused(
+        world_size
+    )
 
 
 def _skip_reason(item, session: DcpSession) -> str | None:
@@ -61,8 +56,8 @@ def _skip_reason(item, session: DcpSession) -> str | None:
     stage_marker = item.get_closest_marker("stage")
     if stage_marker and session.reached is not None and stage_marker.args[0] > session.reached:
         return stage_skip_reason(stage_marker.args[0], session.reached)
-    if item.get_closest_marker("spawned_only") and session.torchrun_world_size:
-        return "needs the spawned pool of plain pytest; skipped under torchrun"
+    if item.get_closest_marker("spawned_only") and (reason := session.mode.spawned_only_skip()):
+        return reason
     if item.get_closest_marker("gpu") and session.device_type != "cuda":
         return "needs CUDA devices (run with --device cuda on a GPU host)"
     missing = missing_capabilities(session.impl, needed_capabilities(item))
@@ -119,21 +114,11 @@ def _check_world_sizes_are_supported(config, session: DcpSession, items) -> None
     supported = {spec.params["dcp"] for spec in callspecs if spec is not None and "dcp" in spec.params}
     if not supported:
         return  # no multi-rank test collected: world sizes play no part
-    names = ", ".join(map(str, sorted(supported)))
-    if session.torchrun_world_size:
-        if session.torchrun_world_size not in supported:
-            raise pytest.UsageError(
-                f"torchrun launched W={session.torchrun_world_size}, which no collected test supports; "
-                f"supported world sizes: {names} (torchrun --nproc-per-node N)"
-            )
-        return
-    raw = config.getoption("world_sizes")
-    unsupported = sorted(set(session.selected_world_sizes) - supported) if raw else []
-    if unsupported:
-        raise pytest.UsageError(
-            f"--world-sizes {raw}: no collected test supports W={', '.join(map(str, unsupported))}; "
-            f"supported world sizes: {names}"
-        )
+    error = session.mode.unsupported_world_sizes(
+        supported, session.selected_world_sizes, config.getoption("world_sizes")
+    )
+    if error:
+        raise pytest.UsageError(error)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / --deselect: every collected test counts as support

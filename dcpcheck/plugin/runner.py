@@ -10,10 +10,12 @@ import traceback
 
 import pytest
 
+from dcpcheck.case_terms import case_terms
 from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.plugin.known_failures import declare
 from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
+from dcpcheck.ranks.launcher import Case
 from dcpcheck.stages import stage_label
 
 
@@ -69,43 +71,49 @@ class DcpRunner:
         self.stage = stage_marker.args[0] if stage_marker else None
         self._node = request.node
 
-    def header(self) -> dict:
+    def _header(self) -> dict:
         return {
             "stage": stage_label(self.stage) if self.stage is not None else "harness",
             "W": self.world_size,
             "device": self.session.placement(self.world_size).describe(),
             "impl": self.session.impl_spec,
-            "mode": self.session.mode,
+            "mode": self.session.mode.name,
             "seed": self.seed,
         }
 
-    def _header_line(self) -> str:
-        return " | ".join(f"{k}={v}" for k, v in self.header().items())
+    def case(self, params: dict, *, timeout: float | None = None) -> Case:
+        """One run of this test's rank function with ``params``."""
+        return Case(
+            nodeid=self.nodeid,
+            stage=self.stage,
+            world_size=self.world_size,
+            seed=self.seed,
+            timeout=timeout or self.session.timeout,
+            params=params,
+            terms=case_terms(
+                device=self.device_type,
+                world_size=self.world_size,
+                capabilities=needed_capabilities(self._node),
+                properties=scenario_properties(self._node),
+                case=params,
+            ),
+            header=self._header(),
+        )
 
-    def run(self, fn, *, timeout: float | None = None, **case) -> list:
-        """Run ``fn(ctx, **case)`` on every rank; fail unless all ranks pass.
+    def run(self, fn, *, timeout: float | None = None, **params) -> list:
+        """Run ``fn(ctx, **params)`` on every rank; fail unless all ranks pass.
         Returns each rank's return value, in rank order."""
-        from dcpcheck.checks.cases import case_terms
         from dcpcheck.ranks.launcher import LaunchError
         from dcpcheck.ranks.report import format_case_failure
 
-        terms = case_terms(
-            device=self.device_type,
-            world_size=self.world_size,
-            capabilities=needed_capabilities(self._node),
-            properties=scenario_properties(self._node),
-            case=case,
-        )
-        timeout = timeout or self.session.timeout
+        case = self.case(params, timeout=timeout)
         launcher = self.session.launcher()
         try:
-            reason, defect, failure = launcher.decide_before_launch(
-                self.nodeid, lambda: self._answers_before_launch(terms, timeout), timeout=timeout
-            )
+            reason, defect, failure = launcher.decide_before_launch(case, lambda: self._answers_before_launch(case))
         except LaunchError as exc:
             reason, defect, failure = None, None, str(exc)
         if failure:
-            pytest.fail(f"{self._header_line()}\n{failure}", pytrace=False)
+            pytest.fail(f"{case.describe()}\n{failure}", pytrace=False)
         if reason:
             pytest.skip(reason)
         if defect:
@@ -115,40 +123,32 @@ class DcpRunner:
             declare(self._node, defect)
         self._node.user_properties.append(("dcp_world_size", self.world_size))
         self._node.user_properties.append(("dcp_ranks", self.session.placement(self.world_size).describe()))
-        if case.get("backend"):
-            self._node.user_properties.append(("dcp_backend", case["backend"]))
+        if params.get("backend"):
+            self._node.user_properties.append(("dcp_backend", params["backend"]))
         try:
-            result = launcher.run(
-                self.world_size,
-                fn,
-                case,
-                seed=self.seed,
-                impl_spec=self.session.impl_spec,
-                timeout=timeout,
-                case_id=self.nodeid,
-            )
+            result = launcher.run(fn, case)
         except LaunchError as exc:
             result, launch_error = None, str(exc)
         if result is None:  # failed outside the except block: the LaunchError is not shown again as its context
-            pytest.fail(f"{self._header_line()}\n{launch_error}", pytrace=False)
+            pytest.fail(f"{case.describe()}\n{launch_error}", pytrace=False)
         if result.stop_session:
             self._node.session.shouldstop = result.stop_session
         self._record_phases(result)  # failed cases too: their pool start and compiles took time alike
         if not result.ok:
-            pytest.fail(format_case_failure(result, header=self.header(), case=case, timeout=timeout), pytrace=False)
+            pytest.fail(format_case_failure(result, case), pytrace=False)
         values = [result.outcomes[rank].value for rank in range(self.world_size)]
         self._record_worst_errors(values)
         self._record_gpu_peaks(result)
         return values
 
-    def _answers_before_launch(self, terms, timeout: float) -> tuple:
+    def _answers_before_launch(self, case: Case) -> tuple:
         """-> (why the case is unavailable, its known defect, why asking
         failed), each a string or None (the defect may be a KnownFailure):
         plain values, which torchrun's rank 0 shares with every rank."""
-        reason, failure = self._ask("unavailable_reason", terms, timeout)
+        reason, failure = self._ask("unavailable_reason", case.terms, case.timeout)
         if reason or failure:
             return reason, None, failure
-        defect, failure = self._ask("known_defect", terms, timeout)
+        defect, failure = self._ask("known_defect", case.terms, case.timeout)
         return None, defect, failure
 
     def _ask(self, method: str, terms, timeout: float) -> tuple:
@@ -160,9 +160,7 @@ class DcpRunner:
         ask = getattr(self.impl, method, None)
         if ask is None:
             return None, None
-        where = (
-            "on rank 0, whose answers every rank takes" if self.session.torchrun_world_size else "in the pytest process"
-        )
+        where = self.session.mode.answers_asked
         asked = f"{self.session.impl_spec}.{method}(terms)"
         answer = ThreadedCall(ask, terms)
         if not answer.finished(timeout):

@@ -1,12 +1,13 @@
-"""The session state, built at configure from the options and the
-environment, and the launcher of ranks it owns until session end."""
+"""The session state, built once at configure from the options and the
+environment (frozen from then on), and the launcher of ranks it owns until
+session end."""
 
 from __future__ import annotations
 
 import os
 import signal
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -17,13 +18,21 @@ from dcpcheck.plugin.options import (
     startup_timeout,
     visible_gpus,
 )
+from dcpcheck.plugin.run_mode import RunMode
 from dcpcheck.ranks.launcher import Launcher
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.reaper import die_with_parent
 from dcpcheck.stages import StageValueError, reached_stage
 
 
-@dataclass
+class LauncherSlot:
+    """Holds the session's launcher from its first use to session end."""
+
+    def __init__(self):
+        self.launcher: Launcher | None = None
+
+
+@dataclass(frozen=True)
 class DcpSession:
     impl_spec: str
     impl: object
@@ -35,8 +44,8 @@ class DcpSession:
     reached: int | None
     gpus: int = 0  # visible GPUs (0 on CPU)
     gpu_sharing: bool = True
-    torchrun_world_size: int | None = None
-    _launcher: Launcher | None = None
+    mode: RunMode = RunMode()
+    _slot: LauncherSlot = field(default_factory=LauncherSlot, repr=False, compare=False)
 
     def placement(self, world_size: int) -> Placement:
         return Placement(self.device_type, world_size, self.gpus)
@@ -53,7 +62,7 @@ class DcpSession:
 
     def describe_devices(self) -> str:
         """The device and backend of every world size this session runs, for the headers."""
-        sizes = (self.torchrun_world_size,) if self.torchrun_world_size else self.selected_world_sizes
+        sizes = self.mode.world_sizes(self.selected_world_sizes)
         placements: dict[str, list[int]] = {}
         for world_size in sizes:
             if self.placement_refused(world_size) is None:
@@ -62,30 +71,21 @@ class DcpSession:
             return next(iter(placements))
         return "; ".join(f"{kind} at W={','.join(map(str, sizes))}" for kind, sizes in placements.items())
 
-    @property
-    def mode(self) -> str:
-        return "torchrun" if self.torchrun_world_size else "spawned pool"
-
     def launcher(self) -> Launcher:
-        """The session's launcher of ranks, made on first use: torchrun's
-        in-process ranks, or the spawned pools of plain pytest."""
-        if self._launcher is None:
-            if self.torchrun_world_size:
-                from dcpcheck.ranks.torchrun import InProcessRanks
-
-                self._launcher = InProcessRanks(self.placement(self.torchrun_world_size), self.timeout)
-            else:
-                from dcpcheck.ranks.spawned import SpawnedRanks
-
-                self._launcher = SpawnedRanks(
-                    self.placement, case_timeout=self.timeout, startup_timeout=self.startup_timeout
-                )
-        return self._launcher
+        """The session's launcher of ranks (its mode's), made on first use."""
+        if self._slot.launcher is None:
+            self._slot.launcher = self.mode.launcher(
+                self.placement,
+                impl_spec=self.impl_spec,
+                case_timeout=self.timeout,
+                startup_timeout=self.startup_timeout,
+            )
+        return self._slot.launcher
 
     def stop_launcher(self) -> None:
-        if self._launcher is not None:
-            self._launcher.stop()
-            self._launcher = None
+        if self._slot.launcher is not None:
+            self._slot.launcher.stop()
+            self._slot.launcher = None
 
 
 SESSION = pytest.StashKey[DcpSession]()
@@ -132,6 +132,7 @@ def pytest_configure(config):
         reached,
         gpus=visible_gpus(device_type),
         gpu_sharing=config.getoption("gpu_sharing") == "on",
+        mode=RunMode.detect(),
     )
     config.stash[SESSION] = session
 
@@ -141,21 +142,15 @@ def pytest_configure(config):
         # and its pools with it.
         die_with_parent(signal.SIGTERM, os.getppid())
 
-    from dcpcheck.ranks.torchrun import launched_by_torchrun, launcher_rank, launcher_world_size
-
-    if launched_by_torchrun():
-        session.torchrun_world_size = launcher_world_size()
-        refused = session.placement_refused(session.torchrun_world_size)
-        if refused:
-            raise pytest.UsageError(f"torchrun: {refused}; drop --gpu-sharing off to share GPUs over gloo")
-        if launcher_rank() != 0:
-            # Only rank 0 reports (terminal and --junitxml); all ranks still
-            # agree on every outcome.
-            config.option.xmlpath = None
-            config.pluginmanager.set_blocked("terminalreporter")
-            reporter = config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                config.pluginmanager.unregister(reporter)
+    refused = session.mode.startup_error(session.placement_refused)
+    if refused:
+        raise pytest.UsageError(refused)
+    if not session.mode.reports:
+        config.option.xmlpath = None
+        config.pluginmanager.set_blocked("terminalreporter")
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
 
 
 def pytest_sessionfinish(session, exitstatus):

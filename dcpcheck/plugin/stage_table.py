@@ -58,7 +58,7 @@ def write_stage_table(terminalreporter, config) -> None:
     if session is not None:
         terminalreporter.write_line(
             f"impl={session.impl_spec} device={session.describe_devices()} "
-            f"mode={session.mode} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
+            f"mode={session.mode.name} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
         describe = getattr(session.impl, "describe", None)
         if callable(describe):

@@ -1,5 +1,5 @@
-"""What the plugin needs of a way to launch ranks: the result of one case on
-every rank, and the :class:`Launcher` interface that both launchers implement
+"""What the plugin needs of a way to launch ranks: one case (its whole input),
+the result of one case on every rank, and the :class:`Launcher` interface that both launchers implement
 (the spawned pools of plain pytest, :mod:`dcpcheck.ranks.spawned`, and the
 in-process ranks of torchrun, :mod:`dcpcheck.ranks.torchrun`)."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from dcpcheck.impls.protocol import CaseTerms
 
 Answer = TypeVar("Answer")
 
@@ -22,6 +24,26 @@ COLLECTIVE_TIMEOUT_GRACE_S = 30.0
 
 class LaunchError(RuntimeError):
     """The ranks could not be started or could not form their group."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of a rank function on ``world_size`` ranks, built by the plugin
+    before launch: the launcher's whole input besides the function, and what
+    a rank knows of its case (``ctx.case``)."""
+
+    nodeid: str  # the test's node id, alike on every rank
+    stage: int | None  # the test's stage marker (None: a harness test)
+    world_size: int
+    seed: int
+    timeout: float  # ranks still running this long after the start are stuck
+    params: dict[str, Any]  # the rank function's keyword arguments
+    terms: CaseTerms  # the case in the contract's terms, as the implementation was asked about it
+    header: dict[str, Any]  # what every failure message of the case opens with (stage, W, device, ...)
+
+    def describe(self) -> str:
+        """The header as one line: ``stage=... | W=... | ... | seed=...``."""
+        return " | ".join(f"{key}={value}" for key, value in self.header.items())
 
 
 @dataclass
@@ -53,21 +75,19 @@ class CaseResult:
 
 
 class Launcher(Protocol):
-    def decide_before_launch(self, case_id: str, ask: Callable[[], Answer], *, timeout: float) -> Answer:
-        """``ask()`` (the implementation's answers before a case), the same on
-        every rank: asked once, here or on one rank and shared, before any
+    def decide_before_launch(self, case: Case, ask: Callable[[], Answer]) -> Answer:
+        """``ask()`` (the implementation's answers before ``case``), the same
+        on every rank: asked once, here or on one rank and shared, before any
         collective, so that no rank skips a case its peers run. ``ask`` bounds
-        each of its calls by ``timeout``. Raises :class:`LaunchError` when the
-        answers never came."""
+        each of its calls by ``case.timeout``. Raises :class:`LaunchError` when
+        the answers never came."""
         ...
 
-    def run(
-        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
-    ) -> CaseResult:
-        """Run ``fn(ctx, **case)`` on ``world_size`` ranks with the
-        implementation ``impl_spec``; ranks still running ``timeout`` seconds
-        later are stuck. ``case_id`` names the case (the test's node id) alike
-        on every rank. Raises :class:`LaunchError` when the ranks cannot start."""
+    def run(self, fn, case: Case) -> CaseResult:
+        """Run ``fn(ctx, **case.params)`` on ``case.world_size`` ranks with the
+        implementation the launcher was made for; ranks still running
+        ``case.timeout`` seconds later are stuck. Raises :class:`LaunchError`
+        when the ranks cannot start."""
         ...
 
     def stop(self) -> None:

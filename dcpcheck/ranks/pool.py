@@ -24,12 +24,22 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from dcpcheck.ranks.launcher import PEER_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.launcher import PEER_GRACE_S, Case, CaseResult, LaunchError
+from dcpcheck.ranks.messages import (
+    CaseStarted,
+    RankExited,
+    RankFailedToStart,
+    RankHello,
+    RankReady,
+    RunCase,
+    Stop,
+    ZygoteHello,
+)
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process, process_state_letter
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
 from dcpcheck.ranks.reaper import kill_tree
-from dcpcheck.ranks.worker import STACK_SIGNAL, TASK_STARTED, log_path, stacks_path
+from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
 
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
@@ -174,21 +184,20 @@ class RankPool:
             sock.setblocking(True)
             conn = Connection(sock.detach())
             message = self._recv_startup(conn, started, "connect")
-            if message[0] == "zygote":
+            if isinstance(message, ZygoteHello):
                 self.zygote_conn = conn
             else:
-                _, rank, pid = message
-                self.conns[rank], self.pids[rank] = conn, pid
+                self.conns[message.rank], self.pids[message.rank] = conn, message.pid
         waiting = {conn: rank for rank, conn in self.conns.items()}
         while waiting:  # in whatever order the ranks get ready: one that fails is heard at once
             self._check_started(started, "ready")
             for conn in wait(list(waiting), timeout=0.2):
                 message = self._recv_startup(conn, started, "ready", rank=waiting.pop(conn))
-                for phase, seconds in message[3].items():
+                for phase, seconds in message.startup.items():
                     self.startup[phase] = max(seconds, self.startup.get(phase, 0.0))
 
     def _recv_startup(self, conn: Connection, started: float, phase: str, rank: int | None = None):
-        expected = ("zygote", "hello") if phase == "connect" else ("ready",)
+        expected = (ZygoteHello, RankHello) if phase == "connect" else (RankReady,)
         while not conn.poll(0.2):
             self._check_started(started, phase)
         try:
@@ -203,11 +212,11 @@ class RankPool:
                 phase,
                 [f"rank {rank} " + (describe_exit(code) if code is not None else "closed its connection")],
             )
-        if message[0] == "failed":
-            _, failed_rank, error = message
-            self._startup_failed(started, phase, [f"rank {failed_rank} failed while starting: {error}"])
-        if message[0] not in expected:
-            raise LaunchError(f"worker sent {message!r} during start-up, expected {expected}")
+        if isinstance(message, RankFailedToStart):
+            self._startup_failed(started, phase, [f"rank {message.rank} failed while starting: {message.error}"])
+        if not isinstance(message, expected):
+            names = " or ".join(kind.__name__ for kind in expected)
+            raise LaunchError(f"worker sent {message!r} during start-up, expected {names}")
         return message
 
     def _check_started(self, started: float, phase: str) -> None:
@@ -228,8 +237,8 @@ class RankPool:
         try:
             while conn is not None and conn.poll(0):
                 message = conn.recv()
-                if message[0] == "failed":
-                    return f"rank {rank} failed while starting: {message[2]} ({describe_exit(code)})"
+                if isinstance(message, RankFailedToStart):
+                    return f"rank {rank} failed while starting: {message.error} ({describe_exit(code)})"
         except (EOFError, OSError):
             pass
         return f"rank {rank} {describe_exit(code)}"
@@ -247,8 +256,8 @@ class RankPool:
         conn = self.zygote_conn
         try:
             while conn is not None and conn.poll(wait_s):
-                kind, rank, code = conn.recv()
-                self.exit_codes[rank] = code
+                exited: RankExited = conn.recv()
+                self.exit_codes[exited.rank] = exited.code
                 wait_s = 0.0
         except (EOFError, OSError):
             pass
@@ -259,7 +268,7 @@ class RankPool:
             return
         for conn in self.conns.values():
             try:
-                conn.send({"op": "stop"})
+                conn.send(Stop())
             except OSError:
                 pass
         try:
@@ -289,18 +298,10 @@ class RankPool:
             self.tmpdir = None
 
     # ---- running a case --------------------------------------------------
-    def run(self, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str = "") -> CaseResult:
+    def run(self, fn, case: Case) -> CaseResult:
         """One case on every rank. A result with stuck or dead ranks leaves the
         pool unusable (its group is broken): its owner kills it."""
-        task = {
-            "op": "run",
-            "fn": pickle.dumps(fn),
-            "case": case,
-            "case_id": case_id,  # the test's node id (coverage contexts: dcpcheck.coverage_context)
-            "seed": seed,
-            "impl": impl_spec,
-            "sys_path": list(sys.path),
-        }
+        task = RunCase(pickle.dumps(fn), case, list(sys.path))
         started = time.perf_counter()
         result = CaseResult(self.world_size)
         for rank, conn in self.conns.items():
@@ -310,7 +311,7 @@ class RankPool:
                 raise RankGoneBeforeCase(rank, self._death(rank)) from None
         pending = set(self.conns)
         began = set()  # ranks that said they started the case
-        deadline = started + timeout
+        deadline = started + case.timeout
         first_failure = None
         by_conn = {conn: rank for rank, conn in self.conns.items()}
         while pending:
@@ -330,7 +331,7 @@ class RankPool:
                     result.dead[rank] = self._death(rank)
                     first_failure = first_failure or time.perf_counter()
                     continue
-                if message == TASK_STARTED:
+                if isinstance(message, CaseStarted):
                     began.add(rank)
                     continue
                 pending.discard(rank)
@@ -360,7 +361,7 @@ class RankPool:
         try:
             while conn.poll(0):
                 message = conn.recv()
-                if message != TASK_STARTED:
+                if not isinstance(message, CaseStarted):
                     return message
                 began.add(rank)
         except (EOFError, OSError):

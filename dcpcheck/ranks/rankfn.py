@@ -1,7 +1,7 @@
 """Running one case of a rank function on one rank: the protocol shared by
 the spawned pool and the in-process torchrun mode.
 
-A rank function is a module-level function ``fn(ctx, **case)``; it raises on
+A rank function is a module-level function ``fn(ctx, **params)``; it raises on
 failure and may return a small picklable value (stats for the summary).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,17 +19,18 @@ from dcpcheck.ranks import compile_clock
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.input_guard import inputs_read_only
+from dcpcheck.ranks.launcher import Case
 
 
 @dataclass
 class RankContext:
-    """What a rank function gets: its group, its device and the implementation."""
+    """What a rank function gets: its group, its device, the implementation
+    and its case (node id, stage, seed, parameters, terms, header)."""
 
     group: DcpGroup
     device: torch.device
     impl: Any
-    seed: int
-    case: dict = field(default_factory=dict)
+    case: Case
 
     @property
     def rank(self) -> int:
@@ -38,6 +39,15 @@ class RankContext:
     @property
     def world_size(self) -> int:
         return self.group.world_size
+
+    @property
+    def seed(self) -> int:
+        return self.case.seed
+
+    def failure_context(self, **details) -> dict:
+        """What a failure message of this rank names: the case's stage and W,
+        this rank, then ``details`` (in the caller's order)."""
+        return {"stage": self.case.stage, "W": self.world_size, "rank": self.rank, **details}
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """A CPU generator seeded identically on every rank (build global
@@ -116,7 +126,7 @@ def _release_gpu_memory(device: torch.device) -> tuple[str, int]:
 def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
     start = time.perf_counter()
     try:
-        value = fn(ctx, **ctx.case)
+        value = fn(ctx, **ctx.case.params)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
     except BaseException as exc:  # noqa: BLE001 - every way out of a rank function is reported, with its rank

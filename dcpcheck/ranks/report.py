@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dcpcheck.ranks.launcher import CaseResult
+from dcpcheck.ranks.launcher import Case, CaseResult
 
 
-def format_case_failure(result: CaseResult, *, header: dict, case: dict, timeout: float) -> str:
+def format_case_failure(result: CaseResult, case: Case) -> str:
     """One message naming the case, the failing ranks and each rank's error."""
-    lines = [" | ".join(f"{k}={v}" for k, v in header.items())]
-    lines.append("case: " + (", ".join(f"{k}={v!r}" for k, v in case.items()) or "(no parameters)"))
+    lines = [case.describe()]
+    lines.append("case: " + (", ".join(f"{k}={v!r}" for k, v in case.params.items()) or "(no parameters)"))
     failed = sorted(r for r, o in result.outcomes.items() if not o.ok)
     passed = sorted(r for r, o in result.outcomes.items() if o.ok)
     summary = []
@@ -20,7 +20,7 @@ def format_case_failure(result: CaseResult, *, header: dict, case: dict, timeout
         summary.append(f"ranks {sorted(result.silent)} sent no report")
     if result.stuck:
         why = (
-            f"timed out after {timeout:g} s"
+            f"timed out after {case.timeout:g} s"
             if result.timed_out
             else "still running after a peer failed (waiting in a collective the failed rank never joined)"
         )

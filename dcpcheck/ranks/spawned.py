@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
 
 
 class SpawnedRanks:
-    def __init__(self, placement: Callable[[int], Placement], *, case_timeout: float, startup_timeout: float):
+    def __init__(
+        self, placement: Callable[[int], Placement], *, impl_spec: str, case_timeout: float, startup_timeout: float
+    ):
         self.placement = placement  # world size -> where its ranks run
+        self.impl_spec = impl_spec
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
@@ -27,7 +30,7 @@ class SpawnedRanks:
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
 
-    def _live_pool(self, world_size: int, impl_spec: str) -> tuple[RankPool, bool]:
+    def _live_pool(self, world_size: int) -> tuple[RankPool, bool]:
         """-> (the pool for ``world_size``, whether it was started now: it had
         none or its ranks died)."""
         pool = self.pools.get(world_size)
@@ -42,7 +45,7 @@ class SpawnedRanks:
             )
         pool = RankPool(
             self.placement(world_size),
-            impl_spec=impl_spec,
+            impl_spec=self.impl_spec,
             startup_timeout=self.startup_timeout,
             collective_timeout=self.collective_timeout,
         )
@@ -60,16 +63,15 @@ class SpawnedRanks:
             raise
         return pool, True
 
-    def decide_before_launch(self, case_id: str, ask, *, timeout: float):
+    def decide_before_launch(self, case: Case, ask):
         return ask()  # the pytest process is the one place that asks
 
-    def run(
-        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
-    ) -> CaseResult:
+    def run(self, fn, case: Case) -> CaseResult:
+        world_size = case.world_size
         for attempt in (1, 2):
-            pool, started = self._live_pool(world_size, impl_spec)
+            pool, started = self._live_pool(world_size)
             try:
-                result = pool.run(fn, case, seed=seed, impl_spec=impl_spec, timeout=timeout, case_id=case_id)
+                result = pool.run(fn, case)
                 if started:
                     result.pool_startup = dict(pool.startup)
             except RankGoneBeforeCase as gone:

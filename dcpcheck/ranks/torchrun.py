@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
-from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, CaseResult, LaunchError
+from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.outcome_board import NO_DECISION, OutcomeBoard, RankReport
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process
@@ -100,7 +100,8 @@ def _thread_stack(thread: threading.Thread) -> str:
 class InProcessRanks:
     """This process is one rank of the launcher's world."""
 
-    def __init__(self, placement: Placement, case_timeout: float):
+    def __init__(self, placement: Placement, *, impl_spec: str, case_timeout: float):
+        self.impl_spec = impl_spec
         self.rank = launcher_rank()
         self.world_size = launcher_world_size()
         die_with_parent(signal.SIGKILL, os.getppid())
@@ -133,12 +134,13 @@ class InProcessRanks:
         self.sigterm_seen = False
         signal.signal(signal.SIGTERM, self._remember_sigterm)
 
-    def decide_before_launch(self, case_id: str, ask, *, timeout: float):
+    def decide_before_launch(self, case: Case, ask):
         """Rank 0 asks; every rank takes its answers from the store, so all
         ranks skip, mark or run the case alike (an answer that differed
         between ranks, or raised on one, had one rank skip ahead of its peers'
         collectives)."""
-        key = f"{case_id}#{next(self.decisions_per_test.setdefault(case_id, itertools.count()))}"
+        key = f"{case.nodeid}#{next(self.decisions_per_test.setdefault(case.nodeid, itertools.count()))}"
+        timeout = case.timeout
         # Rank 0 asks two questions, each bounded by the timeout.
         decision = self.board.decision(key, ask, deadline=time.perf_counter() + 2 * timeout + REPORT_GRACE_S)
         if decision is NO_DECISION:
@@ -156,13 +158,12 @@ class InProcessRanks:
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else device_group
         return DcpGroup(self.rank, self.world_size, self.device, device_group, cpu_group)
 
-    def run(
-        self, world_size: int, fn, case: dict, *, seed: int, impl_spec: str, timeout: float, case_id: str
-    ) -> CaseResult:
-        assert world_size == self.world_size, "the plugin skips other world sizes before launch"
+    def run(self, fn, case: Case) -> CaseResult:
+        assert case.world_size == self.world_size, "the plugin skips other world sizes before launch"
+        timeout = case.timeout
         # The n-th case of this test: every rank agrees on it without talking,
         # and no report can be taken for another test's.
-        key = f"{case_id}#{next(self.calls_per_test.setdefault(case_id, itertools.count()))}"
+        key = f"{case.nodeid}#{next(self.calls_per_test.setdefault(case.nodeid, itertools.count()))}"
         started = time.perf_counter()
         before = descendants(os.getpid())
         faulthandler.dump_traceback_later(timeout + WEDGED_EXIT_S, exit=True, file=sys.stderr)
@@ -176,7 +177,7 @@ class InProcessRanks:
             if self.group is None:
                 self.group = self._new_dcp_group()
             self.group.collective_calls = 0
-            ctx = RankContext(self.group, self.device, load_implementation(impl_spec), seed, case)
+            ctx = RankContext(self.group, self.device, load_implementation(self.impl_spec), case)
             thread = _CaseThread(fn, ctx)
             state = CaseState()  # what an abandoned case thread changed is put back from here
             thread.start()

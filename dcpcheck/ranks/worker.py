@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from dcpcheck.ranks import messages
 from dcpcheck.ranks.reaper import (
     become_subreaper,
     die_with_parent,
@@ -41,9 +42,6 @@ ORPHANED_SIGNAL = signal.SIGTERM  # the zygote's, from the kernel when pytest di
 # process group is then orphaned with a stopped member, and SIGHUP (whose
 # default action ends the zygote at once) comes before SIGTERM.
 ORPHANED_GROUP_SIGNAL = signal.SIGHUP
-# A rank's first message on receiving a task: a rank that dies before it sent
-# this died between cases, not in the case.
-TASK_STARTED = ("started",)
 
 
 def _connect(path: str) -> Connection:
@@ -97,19 +95,19 @@ def _init_group(args, startup: dict):
     )
 
 
-def _run_task(task: dict, group):
+def _run_task(task: messages.RunCase, group, impl_spec: str):
     from dcpcheck.coverage_context import switch as switch_coverage_context
     from dcpcheck.impls.registry import load_implementation
     from dcpcheck.ranks.rankfn import RankContext, run_rank_case
 
-    for entry in reversed(task["sys_path"]):
+    for entry in reversed(task.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     group.collective_calls = 0
-    switch_coverage_context(task["case_id"])
-    fn = pickle.loads(task["fn"])
-    impl = load_implementation(task["impl"])
-    ctx = RankContext(group=group, device=group.device, impl=impl, seed=task["seed"], case=task["case"])
+    switch_coverage_context(task.case.nodeid)
+    fn = pickle.loads(task.fn)
+    impl = load_implementation(impl_spec)
+    ctx = RankContext(group=group, device=group.device, impl=impl, case=task.case)
     return run_rank_case(fn, ctx)
 
 
@@ -159,7 +157,7 @@ def zygote_main(args) -> int:
     become_subreaper()
     _preload(args)
     conn = _connect(args.socket)
-    conn.send(("zygote", os.getpid()))
+    conn.send(messages.ZygoteHello(os.getpid()))
     ranks = {}
     for rank in range(args.world_size):
         pid = os.fork()
@@ -170,7 +168,7 @@ def zygote_main(args) -> int:
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
-            conn.send(("exit", ranks.pop(pid), os.waitstatus_to_exitcode(status)))
+            conn.send(messages.RankExited(ranks.pop(pid), os.waitstatus_to_exitcode(status)))
     kill_tree(os.getpid(), include_root=False)  # what the ranks left behind, re-parented to this subreaper
     return 0
 
@@ -196,25 +194,25 @@ def rank_main(args, rank: int) -> int:
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
     conn = _connect(args.socket)
-    conn.send(("hello", rank, os.getpid()))
+    conn.send(messages.RankHello(rank, os.getpid()))
     startup = {}
     try:
         group = _init_group(args, startup)
     except Exception as exc:
         from dcpcheck.ranks.rankfn import describe_exception
 
-        conn.send(("failed", rank, describe_exception(exc)))  # its own error, for the test's message
+        conn.send(messages.RankFailedToStart(rank, describe_exception(exc)))
         raise
-    conn.send(("ready", args.rank, os.getpid(), startup))
+    conn.send(messages.RankReady(args.rank, os.getpid(), startup))
     while True:
         try:
             task = conn.recv()
         except EOFError:
             return 0
-        if task["op"] == "stop":
+        if isinstance(task, messages.Stop):
             break
-        conn.send(TASK_STARTED)
-        outcome = _run_task(task, group)
+        conn.send(messages.CaseStarted())
+        outcome = _run_task(task, group, args.impl)
         end_case_processes(before=set())  # a rank starts nothing itself: every descendant is the case's
         conn.send(outcome)
 

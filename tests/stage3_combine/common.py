@@ -1,29 +1,25 @@
-"""What the stage-3 tests share: failure context, what the implementation says
-it cannot run, a combine of this rank's partials with its outputs' types
+"""What the stage-3 tests share: what the implementation says it cannot run
+with another backend, a combine of this rank's partials with its outputs' types
 checked, and inputs as strided views the way engines hand them over."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from dcpcheck.checks.cases import case_terms
 from dcpcheck.compare import Expected, assert_outputs, format_context
-from dcpcheck.stages import STAGE_COMBINE
 
 
-def failure_context(ctx, **case) -> dict:
-    """What every stage-3 failure message names (stage, W, rank, then the case)."""
-    return {"stage": STAGE_COMBINE, "W": ctx.world_size, "rank": ctx.rank, **case}
-
-
-def combine_unavailable_reason(ctx, **case) -> str | None:
-    """The implementation's answer to ``unavailable_reason`` for a combine of
-    ``case`` on this rank's device and world size, in the terms the harness
-    hands it before launch; None when it can run it or has no such method."""
+def combine_unavailable_reason(ctx, backend: str) -> str | None:
+    """The implementation's answer to ``unavailable_reason`` for this rank's
+    case with the combine ``backend`` instead (the terms the harness handed it
+    before launch, but for the backend); None when it can run it or has no
+    such method."""
     ask = getattr(ctx.impl, "unavailable_reason", None)
     if ask is None:
         return None
-    return ask(case_terms(device=ctx.device.type, world_size=ctx.world_size, capabilities=("combine",), case=case))
+    return ask(dataclasses.replace(ctx.case.terms, backend=backend))
 
 
 def combine_with_lse(ctx, out, lse, *, backend, lse_base, context: dict, capability="combine(return_lse=True)"):

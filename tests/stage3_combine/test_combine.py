@@ -14,14 +14,14 @@ import math
 import pytest
 import torch
 
-from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
+from dcpcheck.case_terms import DTYPES, LSE_BASES
+from dcpcheck.checks.cases import own_heads
 from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.common import (
     combine_unavailable_reason,
     combine_with_lse,
-    failure_context,
     padded_view,
     transposed_view,
 )
@@ -91,8 +91,8 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
     transposed view of a [H, T] buffer, as engines hand them over."""
     dtype = DTYPES[dtype_name]
     base = LSE_BASES[lse_base]
-    context = failure_context(
-        ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads, D=head_dim, views=views
+    context = ctx.failure_context(
+        backend=backend, lse_base=lse_base, dtype=dtype_name, H=num_heads, D=head_dim, views=views
     )
     outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, num_heads, dtype, head_dim)
     if views:
@@ -132,7 +132,7 @@ def check_combine(ctx, *, backend, lse_base, dtype_name, num_heads, head_dim, vi
     other = "a2a" if backend == "ag_rs" else "ag_rs"
     # The same answer on every rank (it depends on the case only), so no rank
     # skips a collective its peers enter.
-    other_unavailable = combine_unavailable_reason(ctx, **{**ctx.case, "backend": other})
+    other_unavailable = combine_unavailable_reason(ctx, other)
     if other_unavailable:
         return {**stats.as_dict(), "cross_check": f"{other} vs {backend} skipped: {other_unavailable}"}
     other_out, other_lse = combine_with_lse(

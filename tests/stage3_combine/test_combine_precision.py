@@ -18,11 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
+from dcpcheck.case_terms import DTYPES, LSE_BASES
+from dcpcheck.checks.cases import own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import combine_with_lse, failure_context
+from tests.stage3_combine.common import combine_with_lse
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("combine"), pytest.mark.scenario("rounded_once")]
 
@@ -42,7 +43,7 @@ def precision_partials(gen: torch.Generator, world: int, dtype: torch.dtype):
 
 def check_rounds_once(ctx, *, backend, lse_base, dtype_name):
     dtype, base = DTYPES[dtype_name], LSE_BASES[lse_base]
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, dtype=dtype_name, H=NUM_HEADS, D=HEAD_DIM)
+    context = ctx.failure_context(backend=backend, lse_base=lse_base, dtype=dtype_name, H=NUM_HEADS, D=HEAD_DIM)
     outs, lses = precision_partials(ctx.generator(), ctx.world_size, dtype)
     heads = own_heads(ctx, NUM_HEADS)
     merged, merged_lse = combine_with_lse(

@@ -17,11 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
+from dcpcheck.case_terms import DTYPES, LSE_BASES
+from dcpcheck.checks.cases import own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import combine_with_lse, failure_context
+from tests.stage3_combine.common import combine_with_lse
 from tests.stage3_combine.test_combine import EMPTY_FORMS, HEAD_DIM, synthetic_partials
 
 pytestmark = [
@@ -42,7 +43,7 @@ MIXED_FORMS_ROW = 15 + len(EMPTY_FORMS)
 
 def check_sentinel_gets_no_weight(ctx, *, backend, lse_base, dtype_name, head_dim):
     base = LSE_BASES[lse_base]
-    context = failure_context(ctx, backend=backend, lse_base=lse_base, H=NUM_HEADS, D=head_dim)
+    context = ctx.failure_context(backend=backend, lse_base=lse_base, H=NUM_HEADS, D=head_dim)
     outs, lses = synthetic_partials(ctx.generator(), ctx.world_size, NUM_HEADS, DTYPES[dtype_name], head_dim)
     outs[:, NAN_ROW] = float("nan")
     lses[:, GARBAGE_ROW] = EMPTY_LSE  # its random outputs stay

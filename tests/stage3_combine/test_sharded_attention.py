@@ -24,7 +24,8 @@ import dataclasses
 import pytest
 import torch
 
-from dcpcheck.checks.cases import DTYPES, LSE_BASES, own_heads
+from dcpcheck.case_terms import DTYPES, LSE_BASES
+from dcpcheck.checks.cases import own_heads
 from dcpcheck.checks.stage1 import column_slice, stage1_slots
 from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
 from dcpcheck.impls.conventions import conventions_of
@@ -33,7 +34,7 @@ from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, build_step_batch, dcp1_block_table, rank_block_table
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.common import failure_context, padded_view, transposed_view
+from tests.stage3_combine.common import padded_view, transposed_view
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
@@ -65,8 +66,7 @@ def check_sharded_attention(ctx, *, backend, lse_base, dtype_name, interleave, b
     inputs = dataclasses.replace(inputs, sink=SINKS[:num_heads].clone())
     scheme = conventions_of(impl).sink_scheme
     heads = own_heads(ctx, num_heads)
-    context = failure_context(
-        ctx,
+    context = ctx.failure_context(
         backend=backend,
         lse_base=lse_base,
         dtype=dtype_name,
