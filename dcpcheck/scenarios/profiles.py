@@ -11,6 +11,7 @@ compress ratios 4 and 128, V4.1's at its ratios 1 and 2.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -92,19 +93,7 @@ DSV4_FLASH = ShapeProfile(
 
 # DeepSeek-V4.1: V4-Flash's attention shapes at V4.1's compress ratios 1 and
 # 2 (dcpcheck.scenarios.topology), on 64-token pages: 64 and 32 states a page.
-DSV41 = ShapeProfile(
-    name="dsv4.1",
-    num_heads=64,
-    head_dim=512,
-    window=128,
-    top_k=512,
-    bs=64,
-    interleave=1,
-    dtype=torch.bfloat16,
-    decode_rows={1: 256, 2: 256},
-    prefill_chunk=4096,
-    page_tokens=64,
-)
+DSV41 = dataclasses.replace(DSV4_FLASH, name="dsv4.1", decode_rows={1: 256, 2: 256}, page_tokens=64)
 
 PROFILES = {profile.name: profile for profile in (SMALL, DSV4_FLASH, DSV41)}
 # The DeepSeek model -> its realistic profile on CUDA.
