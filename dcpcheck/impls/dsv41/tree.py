@@ -113,7 +113,7 @@ def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
         sys.modules.pop(private, None)
         raise PortSpecError(
             f"{path} does not import: {exc}. A DCP2 port needs the companion changes the diff relies on "
-            f"(docs/dsv41.md, 'What the seed diff needs from the rest of the DCP2 stack'); {INSTALL_HINT}"
+            f"(docs/dsv41.md, 'How dcpcheck models the server'); {INSTALL_HINT}"
         ) from exc
     except Exception as exc:  # a module it imports raising (e.g. a compiled op called at import)
         sys.modules.pop(private, None)
