@@ -87,20 +87,14 @@ def port_defect(terms, findings) -> KnownFailure | None:
         )
     if terms.world_size < 2:
         return KnownFailure.joined(defects)
-    if "dsv41_ratio2" in terms.properties and "filter_index" in terms.capabilities and findings.read_unit:
-        defects.append(
-            KnownFailure(
-                f"{INTERLEAVE_UNIT}: {findings.read_unit}", f"{SHOWS_STAGE1_READS}|{SHOWS_INTERLEAVE_OVER_PAGE}"
-            )
-        )
+    if "dsv41_ratio2" in terms.properties and findings.read_unit:
+        # Where a ratio-2 read shows: stage 1's reads, or the e2e layer's output.
+        for capability, shows in (("filter_index", SHOWS_STAGE1_READS), ("build_attention", SHOWS_RATIO2_LAYER)):
+            if capability in terms.capabilities:
+                reason = f"{INTERLEAVE_UNIT}: {findings.read_unit}"
+                defects.append(KnownFailure(reason, f"{shows}|{SHOWS_INTERLEAVE_OVER_PAGE}"))
     if "build_attention" not in terms.capabilities:
         return KnownFailure.joined(defects)
-    if "dsv41_ratio2" in terms.properties and findings.read_unit:
-        defects.append(
-            KnownFailure(
-                f"{INTERLEAVE_UNIT}: {findings.read_unit}", f"{SHOWS_RATIO2_LAYER}|{SHOWS_INTERLEAVE_OVER_PAGE}"
-            )
-        )
     if "adjacent_index_sources" in terms.properties:
         defects.append(KnownFailure(STALE_INDEX_CACHE, SHOWS_LATER_GATHER_LAYER))
     if "stage_value_empty" in terms.properties:
