@@ -114,6 +114,20 @@ class Dsv41Implementation:
         """What the tree's own code says of how it serves the port (:mod:`.serving`): name -> finding or None."""
         return self.findings.by_name()
 
+    def dcp_refusal(self, topology, interleave_tokens: int, world_size: int) -> str | None:
+        """Why the tree's indexer refuses to serve ``topology`` under DCP ``world_size`` with an
+        interleave of ``interleave_tokens`` (asked of its metadata builder, per index-source ratio), or None."""
+        if world_size == 1:
+            return None
+        ratios = sorted({topology.compress_ratios[source] for source in topology.index_source_layer_ids})
+        for ratio in ratios:
+            refusal = serving.indexer_dcp_refusal(
+                self.tree, ratio=ratio, interleave_tokens=interleave_tokens, world_size=world_size
+            )
+            if refusal:
+                return refusal
+        return None
+
     def topk_buffer(self, device) -> torch.Tensor:
         """The model-wide top-k buffer every layer of this process shares (one per device)."""
         device = torch.device(device)
