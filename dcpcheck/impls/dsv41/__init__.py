@@ -72,12 +72,12 @@ class Dsv41Implementation:
         self.findings = ServingFindings(
             self.tree,
             self.vllm,
-            lambda rank: self._filter_layer(
+            lambda rank, rho: self._filter_layer(
                 serving.probe_device(),
                 serving.PROBE_WORLD_SIZE,
                 rank,
-                serving.PROBE_INTERLEAVE_TOKENS // serving.PROBE_RATIO,
-                rho=serving.PROBE_RATIO,
+                serving.PROBE_INTERLEAVE_TOKENS // rho,
+                rho=rho,
             ),
         )
         # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
@@ -101,6 +101,7 @@ class Dsv41Implementation:
                 f"kernel: {self.kernel}",
                 f"compressed write side: {writer}",
                 f"SWA cache: {swa}",
+                f"prefill gather geometry: {self.findings.gather_geometry_cost}",
                 *self.vllm.stand_ins,
             )
         )

@@ -182,7 +182,7 @@ def writer_finding(tree: PortTree, vllm) -> str | None:
 
 def reader_finding(build_layer, vllm) -> str | None:
     """Does the port's read side (``_compressed_topk_to_slots``) read each state where vLLM's DCP
-    writer put it? ``build_layer(rank)``: a ratio-2 layer of the probe's layout. None if it does."""
+    writer put it? ``build_layer(rank, rho)``: a layer of the probe's layout (asked at PROBE_RATIO). None if it does."""
     num_states = PROBE_TOKENS // PROBE_RATIO
     problems = []
     for rank in range(PROBE_WORLD_SIZE):
@@ -190,7 +190,7 @@ def reader_finding(build_layer, vllm) -> str | None:
         written = _dcp_writer_slots(vllm, rank)
         # State c is written by its last token, position (c + 1) * ratio - 1 (-1: on another rank).
         state_slots = written[PROBE_RATIO - 1 :: PROBE_RATIO]
-        layer = build_layer(rank)
+        layer = build_layer(rank, PROBE_RATIO)
         device = block_table.device
         # One row per state, each asking for that state alone: the compacted
         # output then says which slot the read side gives each state.
@@ -308,6 +308,74 @@ def refusal_finding(tree: PortTree) -> str | None:
     )
 
 
+# One gathered prefill step over layers of compress ratios 1, 2, 1 (three kv
+# sources: two KV groups, so vLLM hands the layers two metadata objects, the
+# first one twice), one 40-token prefill request on 8-state pages.
+GEOMETRY_STACK = (1, 2, 1)
+GEOMETRY_SEQ_LEN = 40
+GEOMETRY_PAGE_STATES = 8
+GEOMETRY_ROWS = 4
+
+
+class _HostReadCounted(torch.Tensor):
+    """A metadata tensor that counts the reads bringing its values to the host
+    (each a device-to-host sync on CUDA); its slices count into the same total."""
+
+    reads = 0
+    HOST_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy)
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        if func in cls.HOST_READS:
+            cls.reads += 1
+        return super().__torch_function__(func, types_, args, kwargs or {})
+
+
+class _LocalAllGather:
+    """A DCP group whose all-gather stacks W copies of this rank's part: the
+    gather's collective, for a single-process measurement of what surrounds it."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return torch.cat([tensor] * self.world_size, dim=dim)
+
+
+def gather_geometry_reads(build_layer) -> tuple[int, int]:
+    """The cost of the port's prefill-gather geometry across KV groups:
+    ``_dcp_prefill_gather`` of each layer of :data:`GEOMETRY_STACK` in one step,
+    each layer given its KV group's metadata object, as vLLM's runner gives it.
+    ``build_layer(rank, rho)``: a layer of the probe's layout.
+    -> (host reads of ``attn_metadata.seq_lens`` in the step, metadata objects)."""
+    device = probe_device()
+    metadata = {
+        rho: types.SimpleNamespace(
+            seq_lens=torch.tensor([GEOMETRY_SEQ_LEN], dtype=torch.int32, device=device).as_subclass(_HostReadCounted),
+            block_table=torch.arange(1, PROBE_TABLE_WIDTH + 1, dtype=torch.int32, device=device).reshape(1, -1),
+        )
+        for rho in set(GEOMETRY_STACK)
+    }
+    topk = torch.full((GEOMETRY_ROWS, 2 * 128), -1, dtype=torch.int32, device=device)
+    topk[:, 0] = 0
+    cache = torch.zeros(PROBE_TABLE_WIDTH + 1, GEOMETRY_PAGE_STATES, 64, dtype=torch.bfloat16, device=device)
+    _HostReadCounted.reads = 0
+    for rho in GEOMETRY_STACK:
+        layer = build_layer(0, rho)
+        with patched(layer, dcp_group=_LocalAllGather(PROBE_WORLD_SIZE)):
+            layer._dcp_prefill_gather(
+                cache,
+                topk,
+                torch.zeros(GEOMETRY_ROWS, dtype=torch.int32, device=device),
+                torch.ones(GEOMETRY_ROWS, dtype=torch.bool, device=device),
+                metadata[rho],
+                0,
+                1,
+                GEOMETRY_PAGE_STATES,
+            )
+    return _HostReadCounted.reads, len(metadata)
+
+
 class ServingFindings:
     """The probes' answers for one tree, each asked once, when first needed."""
 
@@ -331,6 +399,18 @@ class ServingFindings:
         """None also where FlashInfer's sources are not there to read (the check then skips)."""
         kernel_file = flashinfer_kernel_source()
         return None if kernel_file is None else kernel_call_finding(self._tree.module({}).__file__, kernel_file)
+
+    @functools.cached_property
+    def gather_geometry_cost(self) -> str:
+        """What the prefill gather's geometry costs across KV groups (a measured cost, never a failure)."""
+        if not callable(getattr(self._build_layer(0, 1), "_dcp_prefill_gather", None)):
+            return "not measured (the layer has no _dcp_prefill_gather)"
+        reads, objects = gather_geometry_reads(self._build_layer)
+        return (
+            f"{reads} host reads of attn_metadata.seq_lens (a sync each on CUDA) in one gathered prefill step "
+            f"over layers of compress ratios {', '.join(map(str, GEOMETRY_STACK))}, where the runner gives "
+            f"{objects} metadata objects"
+        )
 
     @functools.cached_property
     def dcp_refusal(self) -> str | None:
