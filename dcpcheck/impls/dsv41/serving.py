@@ -405,7 +405,10 @@ class ServingFindings:
         """What the prefill gather's geometry costs across KV groups (a measured cost, never a failure)."""
         if not callable(getattr(self._build_layer(0, 1), "_dcp_prefill_gather", None)):
             return "not measured (the layer has no _dcp_prefill_gather)"
-        reads, objects = gather_geometry_reads(self._build_layer)
+        try:
+            reads, objects = gather_geometry_reads(self._build_layer)
+        except Exception as exc:  # noqa: BLE001 - a port with another gather signature: the header says so
+            return f"not measured (_dcp_prefill_gather raised {type(exc).__name__}: {exc})"
         return (
             f"{reads} host reads of attn_metadata.seq_lens (a sync each on CUDA) in one gathered prefill step "
             f"over layers of compress ratios {', '.join(map(str, GEOMETRY_STACK))}, where the runner gives "
