@@ -58,6 +58,7 @@ STAGE_VALUE_NOT_INTEGER = (
 SHOWS_PROBE = "{probe}: "
 SHOWS_RATIO2_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)"
 SHOWS_STAGE1_READS = r"states read by rank \d+ vs the oracle"
+SHOWS_STAGE9_REMAP = r"gathered-buffer slot of each top-k id vs the oracle: \d+ problem"
 # An interleave read in tokens as states can exceed a page: vLLM's filter refuses it.
 SHOWS_INTERLEAVE_OVER_PAGE = r"BLOCK_SIZE \(\d+\) must be divisible by cp_kv_cache_interleave_size \(\d+\)"
 SHOWS_LATER_GATHER_LAYER = r"DCP-W vs [^(]*\(stage=e2e [^()]*prefill=gather [^()]*layer=[1-9]\d* \(rho \d+\)\)"
@@ -88,8 +89,12 @@ def port_defect(terms, findings) -> KnownFailure | None:
     if terms.world_size < 2:
         return KnownFailure.joined(defects)
     if "dsv41_ratio2" in terms.properties and findings.read_unit:
-        # Where a ratio-2 read shows: stage 1's reads, or the e2e layer's output.
-        for capability, shows in (("filter_index", SHOWS_STAGE1_READS), ("build_attention", SHOWS_RATIO2_LAYER)):
+        # Where a ratio-2 read shows: stage 1's reads, stage 9's remap, or the e2e layer's output.
+        for capability, shows in (
+            ("filter_index", SHOWS_STAGE1_READS),
+            ("prefill_remap", SHOWS_STAGE9_REMAP),
+            ("build_attention", SHOWS_RATIO2_LAYER),
+        ):
             if capability in terms.capabilities:
                 reason = f"{INTERLEAVE_UNIT}: {findings.read_unit}"
                 defects.append(KnownFailure(reason, f"{shows}|{SHOWS_INTERLEAVE_OVER_PAGE}"))
