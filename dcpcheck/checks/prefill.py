@@ -4,13 +4,14 @@ stage-9 test)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dcpcheck.case_terms import DTYPES
 from dcpcheck.checks.cases import checked_layer_output, own_heads
-from dcpcheck.compare import format_context
+from dcpcheck.compare import coarser_dtype, format_context
+from dcpcheck.impls.conventions import conventions_of
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.ranks.group import DcpGroup
@@ -34,6 +35,8 @@ class PrefillStep:
     block_table: torch.Tensor
     comp_cache: torch.Tensor
     context: dict  # what failure messages name: stage, W, rank, case parameters
+    # The dtype asked for, or the implementation's declared layer_dtype if coarser; None: the output's.
+    tolerance_dtype: torch.dtype | None = None
 
     @property
     def case(self) -> str:
@@ -51,13 +54,26 @@ class PrefillStep:
 
 
 def prefill_step(
-    ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, num_heads=NUM_HEADS, **context
+    ctx, *, rho, S, bs, top_k, dtype_name="fp32", long_chunk=None, num_heads=None, **context
 ) -> PrefillStep:
+    """``num_heads`` None: NUM_HEADS, or the heads per rank the implementation
+    declares times W. q, the states and the window are rounded to its declared
+    layer dtype, as its layer rounds them."""
+    declared = conventions_of(ctx.impl)
+    if num_heads is None:
+        num_heads = declared.local_heads * ctx.world_size if declared.local_heads else NUM_HEADS
     layout = KvLayout(rho=rho, bs=bs, interleave=S, world_size=ctx.world_size)
     batch = build_prefill_batch(layout, top_k=top_k, seed=ctx.seed, long_chunk=long_chunk)
+    dtype = DTYPES[dtype_name]
     inputs = build_attention_inputs(
-        batch, num_heads=num_heads, head_dim=HEAD_DIM, window=WINDOW, dtype=DTYPES[dtype_name], seed=ctx.seed + 1
+        batch, num_heads=num_heads, head_dim=HEAD_DIM, window=WINDOW, dtype=dtype, seed=ctx.seed + 1
     )
+    tolerance_dtype = coarser_dtype(dtype, declared.layer_dtype)
+    if tolerance_dtype != dtype:
+        inputs = replace(
+            inputs,
+            **{name: getattr(inputs, name).to(tolerance_dtype).to(dtype) for name in ("q", "states", "swa_cache")},
+        )
     table = rank_block_table(batch, ctx.rank)
     cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
     full_context = {
@@ -73,7 +89,13 @@ def prefill_step(
         **context,
     }
     return PrefillStep(
-        batch, inputs, own_heads(ctx, num_heads), table.to(ctx.device), cache.to(ctx.device), full_context
+        batch,
+        inputs,
+        own_heads(ctx, num_heads),
+        table.to(ctx.device),
+        cache.to(ctx.device),
+        full_context,
+        tolerance_dtype,
     )
 
 

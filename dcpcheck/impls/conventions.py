@@ -41,6 +41,10 @@ class Conventions:
     # (``--cp-kv-cache-interleave-size``), as a layer attribute needs the ratio
     # to have that attribute set as the server sets it.
     filter_takes_ratio: bool = False
+    # The attention layer's forward runs its own prefill gather, not the
+    # prefill_* capabilities: the suite counts the KV rows it all-gathers
+    # instead of spying on those calls.
+    fused_prefill: bool = False
 
     def __post_init__(self):
         if self.sink_scheme not in SINK_SCHEMES:
@@ -51,6 +55,12 @@ class Conventions:
 
 def conventions_of(impl) -> Conventions:
     return getattr(impl, "conventions", None) or Conventions()
+
+
+def prefill_is_fused(impl) -> bool:
+    """The layer's prefill gather is checked by the KV rows it all-gathers:
+    declared, or no ``prefill_geometry`` to spy on."""
+    return conventions_of(impl).fused_prefill or not callable(getattr(impl, "prefill_geometry", None))
 
 
 def pad_topk(topk: torch.Tensor, multiple: int) -> torch.Tensor:

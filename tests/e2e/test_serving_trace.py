@@ -29,7 +29,7 @@ from dcpcheck.checks.cases import own_heads
 from dcpcheck.checks.collectives import CountingGroup
 from dcpcheck.checks.stack import RankStack
 from dcpcheck.compare import MismatchError, assert_close, coarser_dtype
-from dcpcheck.impls.conventions import conventions_of
+from dcpcheck.impls.conventions import conventions_of, prefill_is_fused
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import gather_geometry
 from dcpcheck.ranks.group import DcpGroup
@@ -149,8 +149,8 @@ def check_serving_trace(
     path = "gather" if prefill_gather else "stage 3 sub-chunks"
     worst: dict[str, float] = {}
 
-    # A fused implementation has no prefill_geometry to spy on: its collectives are counted instead.
-    fused = not callable(getattr(ctx.impl, "prefill_geometry", None))
+    # A fused implementation's layer calls no prefill capability: its collectives are counted instead.
+    fused = prefill_is_fused(ctx.impl)
     # Every layer of every step is compared before the case fails: one
     # failure (a known defect's, say) hides no other layer's or step's.
     mismatches: list[MismatchError] = []

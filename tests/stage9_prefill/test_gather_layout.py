@@ -34,6 +34,8 @@ pytestmark = [
     pytest.mark.stage(STAGE_PREFILL),
     pytest.mark.needs("prefill_geometry", "prefill_remap", "prefill_gather"),
 ]
+V40 = pytest.mark.scenario("v40_ratios")
+DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
 
 
 def request_name(req: int) -> str:
@@ -99,8 +101,10 @@ def check_remap(ctx, step, geometry, expected) -> None:
             f"id {topk[t][k]} (column {k}) slot"
         )
 
+    # An invalid token's row is read by no one (its count is 0): its slots are free.
+    valid = batch.is_valid_token[:, None]
     assert_equal_ints(
-        slots.cpu(),
+        torch.where(valid, slots.cpu().long(), expected_slots),
         expected_slots,
         case=step.case,
         what="gathered-buffer slot of each top-k id vs the oracle",
@@ -150,23 +154,36 @@ def check_gather_layout(ctx, *, rho, S, bs, K, views=False):
     )
 
 
-@pytest.mark.parametrize(
-    "rho, S, bs, K",
-    [(4, 1, 2, 16), (4, 2, 8, 16), (4, 4, 8, 33), (128, 1, 2, 8)],
-)
+# (rho, S, bs, K). DeepSeek-V4.0's ratios (4, 128; C128A: K covers every state).
+V40_CASES = [
+    pytest.param(4, 1, 2, 16, marks=V40),
+    pytest.param(4, 2, 8, 16, marks=V40),
+    pytest.param(4, 4, 8, 33, marks=V40),
+    pytest.param(128, 1, 2, 8, marks=V40),
+]
+# DeepSeek-V4.1's ratios on vLLM's 128-token compressed page, at an
+# interleave of I tokens (S = I / rho states).
+DSV41_CASES = [
+    pytest.param(2, 1, 64, 130, id="I2-S1-bs64-K130-rho2", marks=DSV41_RATIO2),
+    pytest.param(1, 2, 128, 37, id="I2-S2-bs128-K37-rho1"),
+    pytest.param(1, 64, 128, 200, id="I64-S64-bs128-K200-rho1"),
+]
+
+
+@pytest.mark.parametrize("rho, S, bs, K", V40_CASES + DSV41_CASES)
 def test_gather_layout_matches_oracle(dcp, rho, S, bs, K):
     dcp.run(check_gather_layout, rho=rho, S=S, bs=bs, K=K)
 
 
-@pytest.mark.parametrize("rho, S, bs, K", [(4, 2, 8, 16), (128, 1, 2, 8)])
+@pytest.mark.parametrize("rho, S, bs, K", [V40_CASES[1], V40_CASES[3], DSV41_CASES[1]])
 def test_gather_layout_given_views(dcp, rho, S, bs, K):
     """Top-k and block table as column slices of wider buffers (row stride above the width)."""
     dcp.run(check_gather_layout, rho=rho, S=S, bs=bs, K=K, views=True)
 
 
-def check_geometry_at_page_edges(ctx):
+def check_geometry_at_page_edges(ctx, *, ratios_and_pages):
     """pages_i and base_i at and around every virtual-block edge, for W = 1,
-    2, 4, 8 and two page sizes: state counts k*bs*W - 1, k*bs*W and
+    2, 4, 8 and each ``(rho, bs)``: state counts k*bs*W - 1, k*bs*W and
     k*bs*W + 1 (k = 0, 1, 2, so also a request with no state), each with no
     token and with rho - 1 tokens toward the next state. Fixed lengths: an
     off-by-one at an exact multiple fails at every seed, not at the seeds
@@ -175,7 +192,7 @@ def check_geometry_at_page_edges(ctx):
     def check_edges(world_size: int, rho: int, bs: int) -> None:
         edge = bs * world_size
         states = sorted({max(k * edge + d, 0) for k in (0, 1, 2) for d in (-1, 0, 1)})
-        seq_lens = torch.tensor([s * rho + extra for s in states for extra in (0, rho - 1)])
+        seq_lens = torch.tensor([s * rho + extra for s in states for extra in sorted({0, rho - 1})])
         geometry = ctx.impl.prefill_geometry(seq_lens.to(ctx.device), rho=rho, bs=bs, world_size=world_size)
         expected = gather_geometry(seq_lens, rho=rho, bs=bs, W=world_size)
         names = [f"request of {length} tokens ({length // rho} states)" for length in seq_lens.tolist()]
@@ -201,11 +218,18 @@ def check_geometry_at_page_edges(ctx):
         [
             (f"prefill_geometry at W={world_size} rho={rho} bs={bs}", partial(check_edges, world_size, rho, bs))
             for world_size in (1, 2, 4, 8)
-            for rho, bs in ((4, 2), (128, 4))
+            for rho, bs in ratios_and_pages
         ]
     )
 
 
 @pytest.mark.world_sizes(1)  # the geometry is a per-step formula: one rank asks it for every W
-def test_geometry_at_page_edges(dcp):
-    dcp.run(check_geometry_at_page_edges)
+@pytest.mark.parametrize(
+    "ratios_and_pages",
+    [
+        pytest.param(((4, 2), (128, 4)), id="v40", marks=V40),
+        pytest.param(((1, 128), (2, 64)), id="dsv41"),  # vLLM's 128-token page
+    ],
+)
+def test_geometry_at_page_edges(dcp, ratios_and_pages):
+    dcp.run(check_geometry_at_page_edges, ratios_and_pages=ratios_and_pages)

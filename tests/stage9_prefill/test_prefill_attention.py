@@ -6,14 +6,21 @@ paging, no sharding) and the implementation's own W = 1 layer. The gathered
 path attends the rank's local heads over every rank's pages; the non-gather
 path runs stage 3 in sub-chunks, which must equal the unsplit run and keep
 every all-gathered q block within the chunk (the point of sub-chunking).
+A fused implementation (``Conventions.fused_prefill``) calls no prefill
+capability from its layer: the KV rows its forward all-gathers are counted.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
-from dcpcheck.checks.prefill import HEAD_DIM, NUM_HEADS, oracle_dcp1, port_dcp1, prefill_step, run_layer
+from dcpcheck.checks.collectives import CountingGroup
+from dcpcheck.checks.prefill import HEAD_DIM, oracle_dcp1, port_dcp1, prefill_step, run_layer
 from dcpcheck.compare import MismatchError, assert_close
+from dcpcheck.impls.conventions import conventions_of, prefill_is_fused
+from dcpcheck.oracle.prefill import gather_geometry
 from dcpcheck.spies import environment, spy_on_capability, spy_on_collectives
 from dcpcheck.stages import STAGE_PREFILL
 
@@ -25,13 +32,40 @@ pytestmark = [
 DESIGN_PREFILL_TOKEN_CHUNK = 2048  # DESIGN.md: non-gather prefill sub-chunks hold at most this many tokens
 SMALL_CHUNK = 7
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"
+V40 = pytest.mark.scenario("v40_ratios")
+DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
+
+
+@contextmanager
+def counting_gathers(ctx, step):
+    """-> (the group to build the layer on, a function answering how many
+    prefill gathers its forwards made): ``prefill_gather`` calls, or for a
+    fused implementation how many times the step's prefill pages were
+    all-gathered (None at W = 1: a gather is a copy the port may skip)."""
+    if not prefill_is_fused(ctx.impl):
+        with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
+            yield ctx.group, lambda: len(gathers)
+        return
+    group = CountingGroup(ctx.group)
+    layout = step.batch.layout
+    geometry = gather_geometry(step.batch.seq_lens, rho=layout.rho, bs=layout.bs, W=ctx.world_size)
+    step_rows = int(geometry.pages.sum()) * layout.bs
+    yield group, lambda: None if ctx.world_size == 1 else group.gathered_kv_rows / step_rows
+
+
+def one_head_per_rank(dcp) -> int:
+    """H = W, unless the implementation's layer needs another head count per rank."""
+    declared = conventions_of(dcp.impl).local_heads
+    if declared and declared != 1:
+        pytest.skip(f"the implementation's layer needs {declared} heads per rank (Conventions.local_heads), not 1")
+    return dcp.world_size
 
 
 def check_against_dcp1(ctx, step, out, what: str) -> dict:
     """out vs the float64 oracle and vs the implementation's W = 1 path."""
     oracle_out = oracle_dcp1(step)
     port_out = port_dcp1(ctx, step)
-    kwargs = {"context": step.context, "row_labels": step.row_labels}
+    kwargs = {"context": step.context, "row_labels": step.row_labels, "dtype": step.tolerance_dtype}
     return {
         f"{what} vs float64 DCP1": assert_close(
             out, oracle_out, what=f"{what} vs float64 DCP1 oracle", **kwargs
@@ -42,22 +76,28 @@ def check_against_dcp1(ctx, step, out, what: str) -> dict:
     }
 
 
-def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend, num_heads=NUM_HEADS):
+def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend, num_heads=None):
     step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, dtype_name=dtype_name, backend=backend, num_heads=num_heads)
-    layer = ctx.impl.build_attention(step.batch.layout, ctx.group, prefill_gather=True, backend=backend)
-    with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
+    with counting_gathers(ctx, step) as (group, gathers):
+        layer = ctx.impl.build_attention(step.batch.layout, group, prefill_gather=True, backend=backend)
         out = run_layer(layer, step, ctx.device)
-    if len(gathers) != 1:
-        raise MismatchError(f"{step.case}: the gathered path called prefill_gather {len(gathers)} times, expected once")
+    if gathers() not in (None, 1):
+        raise MismatchError(
+            f"{step.case}: the gathered path gathered the step's pages {gathers()} times, expected once"
+        )
     return check_against_dcp1(ctx, step, out, "gathered prefill")
 
 
 @pytest.mark.parametrize(
     "rho, S, bs, K, dtype_name, backend",
     [
-        (4, 1, 2, 16, "fp32", "ag_rs"),
-        (4, 4, 8, 24, "bf16", "ag_rs"),
-        (128, 1, 2, 64, "fp32", "a2a"),  # C128A: K covers every state
+        pytest.param(4, 1, 2, 16, "fp32", "ag_rs", marks=V40),
+        pytest.param(4, 4, 8, 24, "bf16", "ag_rs", marks=V40),
+        pytest.param(128, 1, 2, 64, "fp32", "a2a", marks=V40),  # C128A: K covers every state
+        # DeepSeek-V4.1's ratios on vLLM's 128-token page, interleaves of 2 and 64 tokens.
+        pytest.param(1, 2, 128, 37, "bf16", "a2a", id="I2-S2-bs128-K37-rho1-bf16"),
+        pytest.param(1, 64, 128, 200, "fp32", "a2a", id="I64-S64-bs128-K200-rho1-fp32"),
+        pytest.param(2, 1, 64, 130, "bf16", "a2a", id="I2-S1-bs64-K130-rho2-bf16", marks=DSV41_RATIO2),
     ],
 )
 def test_gathered_prefill_matches_dcp1(dcp, rho, S, bs, K, dtype_name, backend):
@@ -74,7 +114,7 @@ def test_gathered_prefill_one_head_per_rank(dcp):
         K=16,
         dtype_name="fp32",
         backend="a2a",
-        num_heads=dcp.world_size,
+        num_heads=one_head_per_rank(dcp),
     )
 
 
@@ -118,53 +158,60 @@ def check_sub_chunks(ctx, step, chunk: int | None, backend: str) -> dict:
     what = f"prefill in sub-chunks of {bound}"
     worst = {
         "chunked vs unsplit": assert_close(
-            out, whole, what=f"{what} vs unsplit", context=step.context, row_labels=step.row_labels
+            out,
+            whole,
+            what=f"{what} vs unsplit",
+            context=step.context,
+            row_labels=step.row_labels,
+            dtype=step.tolerance_dtype,
         ).worst_ratio
     }
     worst.update(check_against_dcp1(ctx, step, out, what))
     return {"largest_q_gather": largest, **worst}
 
 
-def check_small_chunks(ctx, *, backend, num_heads=NUM_HEADS):
-    step = prefill_step(ctx, rho=4, S=2, bs=4, top_k=16, sub_chunk=SMALL_CHUNK, backend=backend, num_heads=num_heads)
+def check_small_chunks(ctx, *, rho, backend, num_heads=None):
+    step = prefill_step(ctx, rho=rho, S=2, bs=4, top_k=16, sub_chunk=SMALL_CHUNK, backend=backend, num_heads=num_heads)
     return check_sub_chunks(ctx, step, SMALL_CHUNK, backend)
 
 
-def test_small_sub_chunks_match_unsplit_and_dcp1(dcp):
-    dcp.run(check_small_chunks, backend="ag_rs")
+@pytest.mark.parametrize("rho, backend", [pytest.param(4, "ag_rs", marks=V40), pytest.param(1, "a2a", id="rho1-a2a")])
+def test_small_sub_chunks_match_unsplit_and_dcp1(dcp, rho, backend):
+    dcp.run(check_small_chunks, rho=rho, backend=backend)
 
 
 def test_small_sub_chunks_one_head_per_rank(dcp):
     """H = W: the non-gather path with one head per rank (H_loc = 1) at every
-    world size; a2a, the backend the case above does not run."""
-    dcp.run(check_small_chunks, backend="a2a", num_heads=dcp.world_size)
+    world size; a2a, the backend the V4.0 case above does not run."""
+    dcp.run(check_small_chunks, rho=4, backend="a2a", num_heads=one_head_per_rank(dcp))
 
 
-def check_default_chunks(ctx):
+def check_default_chunks(ctx, *, backend):
     step = prefill_step(
         ctx, rho=4, S=2, bs=4, top_k=16, long_chunk=DESIGN_PREFILL_TOKEN_CHUNK + 57, sub_chunk="default"
     )
-    return check_sub_chunks(ctx, step, None, "ag_rs")
+    return check_sub_chunks(ctx, step, None, backend)
 
 
 @pytest.mark.world_sizes(2)  # W > 1 to see the q gathers; one size: 2k rows cost interpreter time per rank
+@pytest.mark.scenario("v40_ratios")
 def test_default_sub_chunks_match_unsplit_and_dcp1(dcp):
-    dcp.run(check_default_chunks)
+    dcp.run(check_default_chunks, backend="ag_rs")
 
 
-def check_gather_switch(ctx):
+def check_gather_switch(ctx, *, backend):
     """DSV41_DCP_PREFILL_GATHER=1 at build time selects the gathered path;
     unset or 0 the non-gather one; both give the same output."""
-    step = prefill_step(ctx, rho=4, S=1, bs=4, top_k=16)
+    step = prefill_step(ctx, rho=1, S=1, bs=4, top_k=16)
     outputs = {}
     for value, gathers_expected in (("1", True), ("0", False), (None, False)):
-        with environment(PREFILL_GATHER_ENV, value):
-            layer = ctx.impl.build_attention(step.batch.layout, ctx.group)
-        with spy_on_capability(ctx.impl, "prefill_gather") as gathers:
+        with counting_gathers(ctx, step) as (group, gathers):
+            with environment(PREFILL_GATHER_ENV, value):
+                layer = ctx.impl.build_attention(step.batch.layout, group, backend=backend)
             outputs[value] = run_layer(layer, step, ctx.device)
-        if bool(len(gathers)) != gathers_expected:
+        if gathers() is not None and bool(gathers()) != gathers_expected:
             raise MismatchError(
-                f"{step.case}: {PREFILL_GATHER_ENV}={value}: prefill_gather called {len(gathers)} times; "
+                f"{step.case}: {PREFILL_GATHER_ENV}={value}: the step's pages gathered {gathers()} times; "
                 f"expected {'the gathered path' if gathers_expected else 'no gather'}"
             )
     assert_close(
@@ -173,9 +220,10 @@ def check_gather_switch(ctx):
         what=f"{PREFILL_GATHER_ENV}=1 vs 0",
         context=step.context,
         row_labels=step.row_labels,
+        dtype=step.tolerance_dtype,
     )
 
 
 @pytest.mark.world_sizes(2)
 def test_prefill_gather_env_selects_the_path(dcp):
-    dcp.run(check_gather_switch)
+    dcp.run(check_gather_switch, backend="a2a")

@@ -8,13 +8,17 @@ Capabilities:
 * ``slot_mapping`` and ``combine`` — the tree's own vLLM functions, as the
   port's write side and its ``_run_sm120_dcp`` call them (combine with base-2
   LSEs only: the port never passes another base);
+* ``prefill_geometry``, ``prefill_gather``, ``prefill_remap`` — the layer's
+  ``_dcp_prefill_gather``, one call each on a fresh step cache, its geometry,
+  gathered cache and remapped top-k read out (:mod:`dcpcheck.impls.dsv41.prefill`);
+  the layer's forward makes that call itself (``fused_prefill``);
 * ``build_attention`` — the stage gate of the tree's metadata builder, then a
   layer whose forward is the real ``_forward_sparse_impl``
   (:mod:`dcpcheck.impls.dsv41.driver`).
 
-The port fuses what the embedded port splits (partial attention, the
-prefill geometry, gather and remap live inside the layer), so those
-capabilities are absent and checked through the layer.
+The port fuses its stage-3 steps into ``_run_sm120_dcp``, so
+``gather_heads``, ``sparse_attention``, ``partial_attention`` and
+``dcp_attention`` are absent and checked through the layer.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import torch
 
 from dcpcheck.impls.conventions import Conventions
-from dcpcheck.impls.dsv41 import reference_kernel, serving
+from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source
@@ -56,6 +60,7 @@ class Dsv41Implementation:
         lse_bases=(2.0,),
         sink_scheme="rank0",  # _dcp_attn_sink: the gathered sink goes to the kernel on DCP rank 0 only
         filter_takes_ratio=True,  # the layer's cp_kv_cache_interleave_size is in tokens: interleave * rho
+        fused_prefill=True,  # _forward_prefill calls _dcp_prefill_gather, not the prefill capabilities
     )
     max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
 
@@ -214,6 +219,19 @@ class Dsv41Implementation:
             rank=rank,
             interleave=interleave,
         )
+
+    # ---- stage 9: one _dcp_prefill_gather call each -------------------------
+    def prefill_geometry(self, seq_lens, *, rho, bs, world_size):
+        layer = self._filter_layer(seq_lens.device, world_size, 0, 1, rho=rho)
+        return prefill.geometry(layer, seq_lens, rho=rho, bs=bs)
+
+    def prefill_gather(self, comp_cache, block_table, geometry, group, *, bs):
+        layer = self._filter_layer(group.device, group.world_size, group.rank_in_group, 1, rho=geometry.rho)
+        return prefill.gather(layer, comp_cache, block_table, geometry, group, bs=bs)
+
+    def prefill_remap(self, topk, token_to_req, is_valid_token, geometry, *, bs, world_size, interleave):
+        layer = self._filter_layer(topk.device, world_size, 0, interleave, rho=geometry.rho)
+        return prefill.remap(layer, topk, token_to_req, is_valid_token, geometry, bs=bs)
 
     # ---- stage 3 -----------------------------------------------------------
     def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
