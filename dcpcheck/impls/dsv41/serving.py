@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
-from dcpcheck.impls.dsv41.layer import attention_base
+from dcpcheck.impls.dsv41.layer import LayerSpec, attention_base, build_port_layer
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
 
@@ -30,6 +30,7 @@ READ_UNIT = "read side's interleave unit"
 SWA_CACHE_PLACEMENT = "sliding-window cache placement"
 FLASHINFER_KERNEL_CALL = "FlashInfer kernel call"
 DCP_REFUSAL = "indexer's DCP refusal"
+HEAD_COUNTS = "DCP head counts"
 
 PROBE_WORLD_SIZE = 2
 PROBE_RATIO = 2
@@ -376,6 +377,54 @@ def gather_geometry_reads(build_layer) -> tuple[int, int]:
     return _HostReadCounted.reads, len(metadata)
 
 
+# (W, local heads, why the port must refuse it under DCP, or None: a count it serves).
+# The kernel sees the W ranks' local heads gathered [rank 0 | rank 1 | ...] and
+# the combine's reduce-scatter hands each rank back its slice of that order.
+HEAD_COUNT_CASES = (
+    (2, 8, None),
+    (2, 4, "padded to 8 heads, so the gathered heads interleave padding with the ranks' heads"),
+    (3, 8, "24 gathered heads, a count no sparse-MLA kernel takes"),
+    (4, 64, "256 gathered heads, more than any sparse-MLA kernel takes (DSV4.1's 128 heads at TP 2 and DCP 4)"),
+)
+
+
+def _head_count_layer(tree: PortTree, world_size: int, local_heads: int):
+    device = probe_device()
+    group = types.SimpleNamespace(world_size=world_size, rank_in_group=0, device=device)
+    spec = LayerSpec(
+        layer_id=0,
+        rho=PROBE_RATIO,
+        bs=PROBE_PAGE_TOKENS // PROBE_RATIO,
+        interleave=1,
+        world_size=world_size,
+        rank=0,
+        local_heads=local_heads,
+        head_dim=64,
+        window=128,
+        sink=torch.zeros(local_heads),
+        topk_buffer=torch.full((PROBE_TOKENS, 2 * 128), -1, dtype=torch.int32, device=device),
+        max_num_batched_tokens=PROBE_TOKENS,
+        max_model_len=4096,
+    )
+    return build_port_layer(tree, group, spec, backend="a2a", prefill_token_chunk=None)
+
+
+def head_count_finding(tree: PortTree) -> str | None:
+    """Does the port's ``__init__`` refuse exactly the DCP head counts it cannot serve
+    (:data:`HEAD_COUNT_CASES`)? None if it does."""
+    problems = []
+    for world_size, local_heads, why_refused in HEAD_COUNT_CASES:
+        try:
+            _head_count_layer(tree, world_size, local_heads)
+        except (NotImplementedError, ValueError) as exc:
+            if why_refused is None:
+                problems.append(f"refuses W={world_size} with {local_heads} local heads, a served count: {exc}")
+            continue
+        if why_refused:
+            problems.append(f"builds a layer at W={world_size} with {local_heads} local heads ({why_refused})")
+    return "; ".join(problems) or None
+
+
 class ServingFindings:
     """The probes' answers for one tree, each asked once, when first needed."""
 
@@ -416,12 +465,17 @@ class ServingFindings:
         )
 
     @functools.cached_property
+    def head_counts(self) -> str | None:
+        return head_count_finding(self._tree)
+
+    @functools.cached_property
     def dcp_refusal(self) -> str | None:
         return refusal_finding(self._tree)
 
     def by_name(self) -> dict[str, str | None]:
         return {
             DCP_REFUSAL: self.dcp_refusal,
+            HEAD_COUNTS: self.head_counts,
             COMPRESSED_WRITER: self.compressed_writer,
             READ_UNIT: self.read_unit,
             SWA_CACHE_PLACEMENT: self.swa_placement,
