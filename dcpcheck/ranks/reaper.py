@@ -62,15 +62,14 @@ def _process_table() -> list[tuple[int, str, int]]:
     return table
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process."""
-    return {pid: ppid for pid, state, ppid in _process_table() if state not in "ZX"}
-
-
 def descendants(root: int) -> set[int]:
-    """The live descendants of ``root`` (not ``root`` itself)."""
+    """The descendants of ``root`` (not ``root`` itself), zombies included:
+    what ``/proc`` shows as a zombie may still hold children, a process whose
+    main thread ended while its other threads run (as a rank killed by a
+    signal is for a moment), or one whose children were read before they were
+    re-parented."""
     children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
+    for pid, _, ppid in _process_table():
         children.setdefault(ppid, []).append(pid)
     found, todo = set(), [root]
     while todo:

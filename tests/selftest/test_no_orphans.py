@@ -66,6 +66,39 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopp
     assert _wait_until(lambda: not pool_dir.exists(), 10), f"{pool_dir} is left"
 
 
+MAIN_THREAD_ENDING_TESTS = """
+from tests.selftest.hostile import end_main_thread_after_starting_processes
+
+def test_ends_its_main_thread(dcp):
+    dcp.run(end_main_thread_after_starting_processes, marker="{marker}", pid_file="{pid_file}")
+"""
+
+
+def test_killed_session_leaves_nothing_of_a_rank_shown_as_a_zombie_with_its_threads_running(tmp_path):
+    # The zygote must kill what hangs below a rank that /proc shows as a
+    # zombie: a rank that pytest's death killed (SIGHUP to its orphaned
+    # group) is shown so while its other threads end.
+    marker, pid_file, scratch = tmp_path / "ended", tmp_path / "pids", tmp_path / "tmp"
+    scratch.mkdir()
+    write_session(tmp_path, {"test_ends.py": MAIN_THREAD_ENDING_TESTS.format(marker=marker, pid_file=pid_file)})
+    proc = start_inner_pytest(tmp_path, ["--world-sizes", "1", "--dcp-timeout", "120"], TMPDIR=str(scratch))
+    rank_marker = Path(f"{marker}.0")
+    assert _wait_until(rank_marker.exists, 120), proc.communicate(timeout=5)[0]
+    rank = int(rank_marker.read_text())
+    started = [int(pid) for pid in Path(f"{pid_file}.0").read_text().split()]
+    assert _wait_until(lambda: process_state_letter(rank) == "Z", 10)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    try:
+        assert _wait_until(lambda: not any(map(_alive, [rank, *started])), 5), [
+            p for p in [rank, *started] if _alive(p)
+        ]
+        assert _wait_until(lambda: not list(scratch.glob("dcpcheck-pool-*")), 5), list(scratch.iterdir())
+    finally:
+        for pid in filter(_alive, started):  # a failure must not leave them running either
+            os.kill(pid, signal.SIGKILL)
+
+
 def _start_spinning_session(tmp_path, args: list[str]):
     """An inner session whose one W = 2 case spins with the GIL held (its
     timeout far away) -> (the process, the rank pids, the pool's directory)."""
