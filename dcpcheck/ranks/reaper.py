@@ -21,7 +21,6 @@ from dcpcheck.ranks.procstate import process_state_letter
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-ORPHANED_EXIT_CODE = 3
 # Rounds of "stop what is new" before the kill: each round catches the
 # children forked just before their parent was stopped.
 MAX_STOP_ROUNDS = 50
@@ -36,10 +35,12 @@ def _prctl(option: int, value: int) -> None:
 
 
 def die_with_parent(sig: signal.Signals, parent_pid: int) -> None:
-    """Have the kernel send ``sig`` when the parent dies; exit now if it already has."""
+    """Have the kernel send ``sig`` when the parent dies; send it now if it
+    already has (before the prctl: no signal will come), so that a handler of
+    ``sig`` (the zygote's removes the pool's directory) runs either way."""
     _prctl(PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
-        os._exit(ORPHANED_EXIT_CODE)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def become_subreaper() -> None:

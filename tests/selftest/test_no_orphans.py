@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from dcpcheck.ranks.pool import STOP_WAIT_S
 from dcpcheck.ranks.procstate import process_state_letter
-from tests.selftest.inner import start_inner_pytest, write_session
+from tests.selftest.inner import inner_env, start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -97,6 +99,20 @@ def test_killed_session_leaves_nothing_of_a_rank_shown_as_a_zombie_with_its_thre
     finally:
         for pid in filter(_alive, started):  # a failure must not leave them running either
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_zygote_started_after_pytest_died_removes_the_pool_directory(tmp_path):
+    pool_dir = tmp_path / "dcpcheck-pool-started-late"
+    pool_dir.mkdir()
+    gone = subprocess.Popen(["true"])  # its pid: a parent that died before the zygote started
+    gone.wait()
+    zygote = [
+        sys.executable, "-m", "dcpcheck.ranks.worker", "--socket", str(pool_dir / "sock"),
+        "--store", str(pool_dir / "store"), "--tmpdir", str(pool_dir), "--world-size", "1", "--device", "cpu",
+        "--gpus", "0", "--impl", "port", "--collective-timeout", "1", "--parent-pid", str(gone.pid),
+    ]  # fmt: skip
+    subprocess.run(zygote, env=inner_env(), timeout=60)
+    assert not pool_dir.exists(), list(pool_dir.iterdir())
 
 
 def _start_spinning_session(tmp_path, args: list[str]):
