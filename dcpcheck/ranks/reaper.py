@@ -21,7 +21,6 @@ from dcpcheck.ranks.procstate import process_state_letter
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-ORPHANED_EXIT_CODE = 3
 # Rounds of "stop what is new" before the kill: each round catches the
 # children forked just before their parent was stopped.
 MAX_STOP_ROUNDS = 50
@@ -36,10 +35,12 @@ def _prctl(option: int, value: int) -> None:
 
 
 def die_with_parent(sig: signal.Signals, parent_pid: int) -> None:
-    """Have the kernel send ``sig`` when the parent dies; exit now if it already has."""
+    """Have the kernel send ``sig`` when the parent dies; send it now if it
+    already has (before the prctl: no signal will come), so that a handler of
+    ``sig`` (the zygote's removes the pool's directory) runs either way."""
     _prctl(PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
-        os._exit(ORPHANED_EXIT_CODE)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def become_subreaper() -> None:
@@ -62,15 +63,14 @@ def _process_table() -> list[tuple[int, str, int]]:
     return table
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process."""
-    return {pid: ppid for pid, state, ppid in _process_table() if state not in "ZX"}
-
-
 def descendants(root: int) -> set[int]:
-    """The live descendants of ``root`` (not ``root`` itself)."""
+    """The descendants of ``root`` (not ``root`` itself), zombies included:
+    what ``/proc`` shows as a zombie may still hold children, a process whose
+    main thread ended while its other threads run (as a rank killed by a
+    signal is for a moment), or one whose children were read before they were
+    re-parented."""
     children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
+    for pid, _, ppid in _process_table():
         children.setdefault(ppid, []).append(pid)
     found, todo = set(), [root]
     while todo:

@@ -4,7 +4,9 @@ stop themselves, start processes, change global state, raise monsters."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -111,6 +113,22 @@ def start_processes(ctx, *, pid_file: str, then_hang: bool = False) -> None:
     Path(f"{pid_file}.{ctx.rank}").write_text(f"{child.pid} {session_child.pid} {daemon_pid}")
     if then_hang:
         time.sleep(3600)
+
+
+# The exit system call ends one thread, where exit_group (os._exit) ends them all.
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}
+
+
+def end_main_thread_after_starting_processes(ctx, *, marker: str, pid_file: str) -> None:
+    """Start processes (see :func:`start_processes`), then end this rank's
+    main thread alone: the process lives on in its other threads while
+    ``/proc`` shows it as a zombie, as a rank killed by a signal is shown for
+    a moment when its main thread ends before the others, with its children
+    still below it."""
+    start_processes(ctx, pid_file=pid_file)
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    Path(f"{marker}.{ctx.rank}").write_text(str(os.getpid()))
+    ctypes.CDLL(None).syscall(SYS_EXIT[platform.machine()], 0)
 
 
 LEAKED_VARIABLE = "DCPCHECK_SELFTEST_LEAK"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from dcpcheck.ranks.pool import STOP_WAIT_S
 from dcpcheck.ranks.procstate import process_state_letter
-from tests.selftest.inner import start_inner_pytest, write_session
+from tests.selftest.inner import inner_env, start_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -64,6 +66,53 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopp
     proc.communicate(timeout=30)
     assert _wait_until(lambda: not any(map(_alive, ranks + started)), 10), [p for p in ranks + started if _alive(p)]
     assert _wait_until(lambda: not pool_dir.exists(), 10), f"{pool_dir} is left"
+
+
+MAIN_THREAD_ENDING_TESTS = """
+from tests.selftest.hostile import end_main_thread_after_starting_processes
+
+def test_ends_its_main_thread(dcp):
+    dcp.run(end_main_thread_after_starting_processes, marker="{marker}", pid_file="{pid_file}")
+"""
+
+
+def test_killed_session_leaves_nothing_of_a_rank_shown_as_a_zombie_with_its_threads_running(tmp_path):
+    # The zygote must kill what hangs below a rank that /proc shows as a
+    # zombie: a rank that pytest's death killed (SIGHUP to its orphaned
+    # group) is shown so while its other threads end.
+    marker, pid_file, scratch = tmp_path / "ended", tmp_path / "pids", tmp_path / "tmp"
+    scratch.mkdir()
+    write_session(tmp_path, {"test_ends.py": MAIN_THREAD_ENDING_TESTS.format(marker=marker, pid_file=pid_file)})
+    proc = start_inner_pytest(tmp_path, ["--world-sizes", "1", "--dcp-timeout", "120"], TMPDIR=str(scratch))
+    rank_marker = Path(f"{marker}.0")
+    assert _wait_until(rank_marker.exists, 120), proc.communicate(timeout=5)[0]
+    rank = int(rank_marker.read_text())
+    started = [int(pid) for pid in Path(f"{pid_file}.0").read_text().split()]
+    assert _wait_until(lambda: process_state_letter(rank) == "Z", 10)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    try:
+        assert _wait_until(lambda: not any(map(_alive, [rank, *started])), 5), [
+            p for p in [rank, *started] if _alive(p)
+        ]
+        assert _wait_until(lambda: not list(scratch.glob("dcpcheck-pool-*")), 5), list(scratch.iterdir())
+    finally:
+        for pid in filter(_alive, started):  # a failure must not leave them running either
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_zygote_started_after_pytest_died_removes_the_pool_directory(tmp_path):
+    pool_dir = tmp_path / "dcpcheck-pool-started-late"
+    pool_dir.mkdir()
+    gone = subprocess.Popen(["true"])  # its pid: a parent that died before the zygote started
+    gone.wait()
+    zygote = [
+        sys.executable, "-m", "dcpcheck.ranks.worker", "--socket", str(pool_dir / "sock"),
+        "--store", str(pool_dir / "store"), "--tmpdir", str(pool_dir), "--world-size", "1", "--device", "cpu",
+        "--gpus", "0", "--impl", "port", "--collective-timeout", "1", "--parent-pid", str(gone.pid),
+    ]  # fmt: skip
+    subprocess.run(zygote, env=inner_env(), timeout=60)
+    assert not pool_dir.exists(), list(pool_dir.iterdir())
 
 
 def _start_spinning_session(tmp_path, args: list[str]):
