@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpcheck.case_terms import LSE_BASES
+from dcpcheck.case_terms import DTYPES, LSE_BASES
 from dcpcheck.checks.cases import own_heads
-from dcpcheck.compare import MismatchError, assert_close, format_context
+from dcpcheck.compare import Expected, MismatchError, assert_close, assert_outputs, format_context
 from dcpcheck.oracle.attention import merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.test_combine import HEAD_DIM, NUM_TOKENS, check_combine, synthetic_partials
@@ -52,15 +52,15 @@ def sink_mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 
 def check_fused_combine(ctx, *, backend, lse_base, dtype_name, head_dim):
-    world, rank = ctx.world_size, ctx.rank
+    world, rank, dtype = ctx.world_size, ctx.rank, DTYPES[dtype_name]
     num_heads = PORT_LOCAL_HEADS * world
     context = ctx.failure_context(backend=backend, H=num_heads, D=head_dim)
     gen = ctx.generator()
-    outs, lses = synthetic_partials(gen, world, num_heads, torch.bfloat16, head_dim)
+    outs, lses = synthetic_partials(gen, world, num_heads, dtype, head_dim)
     sinks = torch.randn(world, PORT_LOCAL_HEADS, generator=gen) + 3.0  # [W, H_loc]: rank r's heads, TP order
     swa_indices = torch.randint(0, 64, (NUM_TOKENS, 1, WINDOW), generator=gen, dtype=torch.int32)
     swa_lens = torch.randint(1, WINDOW + 1, (NUM_TOKENS,), generator=gen, dtype=torch.int32)
-    merged, kernel_sink, kernel_swa, kernel_lens = ctx.impl.fused_combine(
+    result = ctx.impl.fused_combine(
         outs[rank].to(ctx.device),
         lses[rank].to(ctx.device),
         sinks[rank].to(ctx.device),
@@ -68,6 +68,23 @@ def check_fused_combine(ctx, *, backend, lse_base, dtype_name, head_dim):
         swa_lens.to(ctx.device),
         ctx.group,
         backend=backend,
+    )
+    if not (isinstance(result, tuple | list) and len(result) == 4):
+        raise MismatchError(
+            f"fused_combine returned {type(result).__name__}, expected a tuple (out, sink, swa_indices, swa_lens) "
+            f"({format_context(context)})"
+        )
+    merged, kernel_sink, kernel_swa, kernel_lens = result
+    assert_outputs(
+        "fused_combine",
+        (merged, kernel_swa, kernel_lens),
+        [
+            Expected("out", (NUM_TOKENS, PORT_LOCAL_HEADS, head_dim), dtype),
+            Expected("swa_indices", tuple(swa_indices.shape), None),
+            Expected("swa_lens", tuple(swa_lens.shape), None),
+        ],
+        device=ctx.device,
+        context=format_context(context),
     )
 
     problems = []
@@ -87,7 +104,7 @@ def check_fused_combine(ctx, *, backend, lse_base, dtype_name, head_dim):
     else:
         if kernel_sink is not None:
             problems.append(f"rank {rank} handed its kernel a sink (_run_sm120_dcp passes it on DCP rank 0 only)")
-        if kernel_swa.shape[0] != NUM_TOKENS or bool((kernel_swa != -1).any()) or bool((kernel_lens != 0).any()):
+        if bool((kernel_swa != -1).any()) or bool((kernel_lens != 0).any()):
             problems.append(
                 f"rank {rank}'s kernel window rows are not all -1 with zero lengths "
                 "(_dcp_neutral_swa: the window is attended on DCP rank 0 only)"
@@ -102,7 +119,7 @@ def check_fused_combine(ctx, *, backend, lse_base, dtype_name, head_dim):
     stats = assert_close(
         merged,
         want_out[:, heads],
-        what=f"fused combine step's output (DSV41_DCP_COMBINE={backend}) vs oracle merge",
+        what=f"fused combine step's output ({backend} combine) vs oracle merge",
         context=context,
         offsets=(0, heads.start, 0),
     )

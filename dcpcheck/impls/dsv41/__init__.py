@@ -5,9 +5,16 @@ Capabilities:
 
 * ``filter_index`` — the layer's ``_compressed_topk_to_slots`` on a layer of
   that rank (W = 1: the tree's ``compute_global_topk_indices_and_lens``);
-* ``slot_mapping`` and ``combine`` — the tree's own vLLM functions, as the
-  port's write side and its ``_run_sm120_dcp`` call them (combine with base-2
-  LSEs only: the port never passes another base);
+* ``slot_mapping`` — the tree's own vLLM function, as the port's write side calls it;
+* ``combine`` — where the port can be given the case (bf16 partials, base-2
+  LSEs, ``return_lse=False``, W > 1, H = 8·W) the layer's own
+  ``_run_sm120_dcp``, its kernel standing in by writing the given partials
+  (:mod:`dcpcheck.impls.dsv41.combine`); elsewhere the tree's vLLM combine, as
+  that step calls it (base-2 LSEs only: the port never passes another base),
+  whose known defects there are off the port's path (:mod:`.defects`);
+* ``fused_combine`` — that same ``_run_sm120_dcp`` call, with what it handed
+  its kernel: the sink (``_dcp_attn_sink``) and the window rows
+  (``_dcp_neutral_swa`` on ranks other than 0);
 * ``prefill_geometry``, ``prefill_gather``, ``prefill_remap`` — the layer's
   ``_dcp_prefill_gather``, one call each on a fresh step cache, its geometry,
   gathered cache and remapped top-k read out (:mod:`dcpcheck.impls.dsv41.prefill`);
