@@ -33,6 +33,7 @@ CAPABILITIES: dict[str, int] = {
     "sparse_attention": STAGE_COMBINE,
     "partial_attention": STAGE_COMBINE,
     "combine": STAGE_COMBINE,
+    "fused_combine": STAGE_COMBINE,
     "dcp_attention": STAGE_COMBINE,
     "prefill_geometry": STAGE_PREFILL,
     "prefill_gather": STAGE_PREFILL,
@@ -211,6 +212,22 @@ class DcpImplementation(Protocol):
         """LSE-weighted merge across ranks, then keep this rank's heads.
         -> out [T, H_loc, D] (out.dtype), or (out, lse [T, H_loc] fp32 in
         lse_base) when return_lse. W = 1 returns the input unchanged."""
+
+    def fused_combine(
+        self,
+        out: torch.Tensor,  # [T, H, D] bf16, this rank's partial of every gathered head
+        lse: torch.Tensor,  # [T, H] fp32, base 2
+        sink: torch.Tensor,  # [H_loc] this rank's sink
+        swa_indices: torch.Tensor,  # [T, 1, N] int32, the window rows the step is handed
+        swa_lens: torch.Tensor,  # [T] int32
+        group,
+        *,
+        backend: str = "ag_rs",
+    ):
+        """For a port that fuses its sink gather, kernel call and combine into
+        one step (H = W * H_loc, W > 1): that step, its kernel standing in by
+        writing ``out`` / ``lse``. -> (out [T, H_loc, D], and what the step
+        handed its kernel: sink [H] or None, swa_indices, swa_lens)."""
 
     def dcp_attention(
         self,

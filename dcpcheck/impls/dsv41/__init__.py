@@ -5,9 +5,16 @@ Capabilities:
 
 * ``filter_index`` — the layer's ``_compressed_topk_to_slots`` on a layer of
   that rank (W = 1: the tree's ``compute_global_topk_indices_and_lens``);
-* ``slot_mapping`` and ``combine`` — the tree's own vLLM functions, as the
-  port's write side and its ``_run_sm120_dcp`` call them (combine with base-2
-  LSEs only: the port never passes another base);
+* ``slot_mapping`` — the tree's own vLLM function, as the port's write side calls it;
+* ``combine`` — where the port can be given the case (bf16 partials, base-2
+  LSEs, ``return_lse=False``, W > 1, H = 8·W) the layer's own
+  ``_run_sm120_dcp``, its kernel standing in by writing the given partials
+  (:mod:`dcpcheck.impls.dsv41.combine`); elsewhere the tree's vLLM combine, as
+  that step calls it (base-2 LSEs only: the port never passes another base),
+  whose known defects there are off the port's path (:mod:`.defects`);
+* ``fused_combine`` — that same ``_run_sm120_dcp`` call, with what it handed
+  its kernel: the sink (``_dcp_attn_sink``) and the window rows
+  (``_dcp_neutral_swa`` on ranks other than 0);
 * ``prefill_geometry``, ``prefill_gather``, ``prefill_remap`` — the layer's
   ``_dcp_prefill_gather``, one call each on a fresh step cache, its geometry,
   gathered cache and remapped top-k read out (:mod:`dcpcheck.impls.dsv41.prefill`);
@@ -29,6 +36,7 @@ import torch
 
 from dcpcheck.impls.conventions import Conventions
 from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving
+from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source
@@ -70,14 +78,14 @@ class Dsv41Implementation:
         self.vllm = VllmImplementation()  # sets up triton for vLLM on CPU; the tree's own functions
         self.tree = PortTree(PortSpec.parse(spec))
         self.kernel = self.tree.kernel
-        self._filter_layers: dict[tuple, object] = {}
+        self._port_layers: dict[tuple, object] = {}
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
         self._layers_built = 0
         self._ratio_refusals: dict[int, str | None] = {}
         self.findings = ServingFindings(
             self.tree,
             self.vllm,
-            lambda rank, rho: self._filter_layer(
+            lambda rank, rho: self._port_layer(
                 serving.probe_device(),
                 serving.PROBE_WORLD_SIZE,
                 rank,
@@ -162,7 +170,7 @@ class Dsv41Implementation:
         interleave,
         rho,
     ):
-        layer = self._filter_layer(topk.device, world_size, rank, interleave, rho=rho)
+        layer = self._port_layer(topk.device, world_size, rank, interleave, rho=rho)
         return layer._compressed_topk_to_slots(
             topk.to(torch.int32),
             token_to_req.to(torch.int32),
@@ -171,11 +179,12 @@ class Dsv41Implementation:
             is_valid_token.bool(),
         )
 
-    def _filter_layer(self, device, world_size, rank, interleave, *, rho):
+    def _port_layer(self, device, world_size, rank, interleave, *, rho, head_dim=64, backend="a2a"):
         """A layer of that rank and compress ratio; ``interleave`` in states (its
-        ``cp_kv_cache_interleave_size`` is set in tokens, as the server sets it)."""
-        key = (torch.device(device), world_size, rank, interleave, rho)
-        layer = self._filter_layers.get(key)
+        ``cp_kv_cache_interleave_size`` is set in tokens, as the server sets it),
+        ``backend`` the DSV41_DCP_COMBINE it is built under."""
+        key = (torch.device(device), world_size, rank, interleave, rho, head_dim, backend)
+        layer = self._port_layers.get(key)
         if layer is None:
             group = _FilterGroup(world_size, rank, device)
             spec = LayerSpec(
@@ -186,15 +195,15 @@ class Dsv41Implementation:
                 world_size=world_size,
                 rank=rank,
                 local_heads=self.conventions.local_heads,
-                head_dim=64,
+                head_dim=head_dim,
                 window=128,
                 sink=torch.zeros(self.conventions.local_heads),
                 topk_buffer=self.topk_buffer(device),
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                 max_model_len=DEFAULT_MAX_MODEL_LEN,
             )
-            layer, _ = build_port_layer(self.tree, group, spec, backend="a2a", prefill_token_chunk=None)
-            self._filter_layers[key] = layer
+            layer, _ = build_port_layer(self.tree, group, spec, backend=backend, prefill_token_chunk=None)
+            self._port_layers[key] = layer
         return layer
 
     def slot_mapping(
@@ -222,20 +231,41 @@ class Dsv41Implementation:
 
     # ---- stage 9: one _dcp_prefill_gather call each -------------------------
     def prefill_geometry(self, seq_lens, *, rho, bs, world_size):
-        layer = self._filter_layer(seq_lens.device, world_size, 0, 1, rho=rho)
+        layer = self._port_layer(seq_lens.device, world_size, 0, 1, rho=rho)
         return prefill.geometry(layer, seq_lens, rho=rho, bs=bs)
 
     def prefill_gather(self, comp_cache, block_table, geometry, group, *, bs):
-        layer = self._filter_layer(group.device, group.world_size, group.rank_in_group, 1, rho=geometry.rho)
+        layer = self._port_layer(group.device, group.world_size, group.rank_in_group, 1, rho=geometry.rho)
         return prefill.gather(layer, comp_cache, block_table, geometry, group, bs=bs)
 
     def prefill_remap(self, topk, token_to_req, is_valid_token, geometry, *, bs, world_size, interleave):
-        layer = self._filter_layer(topk.device, world_size, 0, interleave, rho=geometry.rho)
+        layer = self._port_layer(topk.device, world_size, 0, interleave, rho=geometry.rho)
         return prefill.remap(layer, topk, token_to_req, is_valid_token, geometry, bs=bs)
 
     # ---- stage 3 -----------------------------------------------------------
     def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
-        return self.vllm.combine(out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse)
+        """The port's ``_run_sm120_dcp`` where the port can be given the case
+        (:func:`.combine.in_port_domain`); vLLM's combine, as that step calls it, elsewhere."""
+        if not in_port_domain(
+            out, group, lse_base=lse_base, return_lse=return_lse, local_heads=self.conventions.local_heads
+        ):
+            return self.vllm.combine(out, lse, group, backend=backend, lse_base=lse_base, return_lse=return_lse)
+        num_tokens = out.shape[0]
+        no_window = torch.full((num_tokens, 1, 1), -1, dtype=torch.int32, device=out.device)
+        no_lens = torch.zeros(num_tokens, dtype=torch.int32, device=out.device)
+        sink = torch.zeros(self.conventions.local_heads)
+        merged, _ = self._port_step(out, lse, sink, no_window, no_lens, group, backend)
+        return merged
+
+    def fused_combine(self, out, lse, sink, swa_indices, swa_lens, group, *, backend="ag_rs"):
+        merged, handed = self._port_step(out, lse, sink, swa_indices, swa_lens, group, backend)
+        return merged, handed.sink, handed.swa_indices, handed.swa_lens
+
+    def _port_step(self, out, lse, sink, swa_indices, swa_lens, group, backend):
+        layer = self._port_layer(
+            out.device, group.world_size, group.rank_in_group, 1, rho=1, head_dim=out.shape[2], backend=backend
+        )
+        return run_step(layer, out, lse, sink, swa_indices, swa_lens, group)
 
     def build_attention(
         self,
@@ -324,7 +354,8 @@ class Dsv41Implementation:
 
 
 class _FilterGroup:
-    """The group a filter-only layer is built with: the filter makes no collective."""
+    """The group a layer is built with: the filter makes no collective, and the
+    calls that make one (the prefill gather, the combine step) are given their group."""
 
     def __init__(self, world_size, rank, device):
         self.world_size, self.rank_in_group, self.device = (

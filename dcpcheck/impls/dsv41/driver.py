@@ -34,7 +34,7 @@ class StepMetadata:
 
 
 @contextmanager
-def _cuda_query_stand_ins():
+def cuda_query_stand_ins():
     """On a torch without CUDA, ``torch.cuda.is_current_stream_capturing`` raises
     instead of answering; the port asks it every call. Answer False there."""
     if torch.cuda.is_available():
@@ -335,7 +335,7 @@ class PortAttention:
         layer.swa_cache_layer.kv_cache = self._mirror(swa_cache, (swa_cache.shape[0], 1, head_dim))
         comp = None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
         output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
-        with _cuda_query_stand_ins():
+        with cuda_query_stand_ins():
             layer._forward_sparse_impl(
                 q=q[order].to(torch.bfloat16),
                 output=output,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -360,21 +360,31 @@ def gather_geometry_reads(build_layer) -> tuple[int, int]:
     topk = torch.full((GEOMETRY_ROWS, 2 * 128), -1, dtype=torch.int32, device=device)
     topk[:, 0] = 0
     cache = torch.zeros(PROBE_TABLE_WIDTH + 1, GEOMETRY_PAGE_STATES, 64, dtype=torch.bfloat16, device=device)
+    layers = [build_layer(0, rho) for rho in GEOMETRY_STACK]
+    # The port keeps its step cache on the class: a copy for the measurement, so real cases never see its entries.
+    step_cache = getattr(type(layers[0]), "_dcp_gather_cache", None)
+    keep_class_cache = (
+        patched(type(layers[0]), _dcp_gather_cache=dict(step_cache)) if isinstance(step_cache, dict) else nullcontext()
+    )
     _HostReadCounted.reads = 0
-    for rho in GEOMETRY_STACK:
-        layer = build_layer(0, rho)
-        with patched(layer, dcp_group=_LocalAllGather(PROBE_WORLD_SIZE)):
-            layer._dcp_prefill_gather(
-                cache,
-                topk,
-                torch.zeros(GEOMETRY_ROWS, dtype=torch.int32, device=device),
-                torch.ones(GEOMETRY_ROWS, dtype=torch.bool, device=device),
-                metadata[rho],
-                0,
-                1,
-                GEOMETRY_PAGE_STATES,
-            )
+    with keep_class_cache:
+        for rho, layer in zip(GEOMETRY_STACK, layers):
+            _gather_once(layer, metadata[rho], cache, topk, device)
     return _HostReadCounted.reads, len(metadata)
+
+
+def _gather_once(layer, metadata, cache, topk, device) -> None:
+    with patched(layer, dcp_group=_LocalAllGather(PROBE_WORLD_SIZE)):
+        layer._dcp_prefill_gather(
+            cache,
+            topk,
+            torch.zeros(GEOMETRY_ROWS, dtype=torch.int32, device=device),
+            torch.ones(GEOMETRY_ROWS, dtype=torch.bool, device=device),
+            metadata,
+            0,
+            1,
+            GEOMETRY_PAGE_STATES,
+        )
 
 
 # (W, local heads, why the port must refuse it under DCP, or None: a count it serves).
