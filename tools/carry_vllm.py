@@ -54,8 +54,7 @@ INSTALL_SH = """#!/usr/bin/env bash
 # Written by tools/carry_vllm.py. Unpacks the carry beside it under DEST:
 # DEST/site (the wheels, then vLLM's sources) and DEST/dsv41-tree (links to
 # DEST/site/vllm, except the DCP2 port's own files). Then, for both
-# --dcp-impl vllm and dsv41: export PYTHONPATH=DEST/dsv41-tree:DEST/site:REPO
-# (the repository root too: tools/gpu_ci.py imports dcpcheck, not installed there)
+# --dcp-impl vllm and dsv41: export PYTHONPATH=DEST/dsv41-tree:DEST/site
 set -euo pipefail
 CARRY=$(cd "$(dirname "$0")" && pwd)
 DEST=$(mkdir -p "${1:?usage: install.sh DEST}" && cd "$1" && pwd)
@@ -180,7 +179,7 @@ def make_carry(out: Path, tree: Path, image_packages: Path) -> str:
             f"vllm {_distribution('vllm').version} sources, the DCP2 tree's {', '.join(tree_files)}, and "
             f"{len(wheels)} wheels: {' '.join(f'{n}-{v}' for n, v in sorted(wheels.items()))}",
             f"carry: {out} ({size / 2**20:.1f} MiB). On the GPU host, from the repository root:",
-            f"bash {out}/install.sh /tmp/vllm && export PYTHONPATH=/tmp/vllm/dsv41-tree:/tmp/vllm/site:$PWD",
+            f"bash {out}/install.sh /tmp/vllm && export PYTHONPATH=/tmp/vllm/dsv41-tree:/tmp/vllm/site",
         ]
     )
 

@@ -40,9 +40,12 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
+from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES  # noqa: E402
+
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 SLOWEST_SHOWN = 8  # test modules listed by their cases' seconds
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"  # tests/conftest.py: one xdist group per file, in command-line order
