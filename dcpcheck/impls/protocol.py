@@ -53,6 +53,9 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "by no rank and written by none",
     "garbage_under_sentinel": "rows where every rank's partial is empty (LSE at the -1e30 sentinel) "
     "with NaN or random outputs under it",
+    "tree_combine_context": "the combine launch context the port keeps per layer, launched twice on this host",
+    "port_heads": "the combine at a DCP2 port's own head count (H = 8 x W, bf16, base 2), run through the "
+    "port's fused step where it has one",
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
     "rounded_once": "a 16-bit combine held to one rounding of the exact merge (compare.py's out_rounded_once): "
     "summing or rescaling in the 16-bit dtype fails it",

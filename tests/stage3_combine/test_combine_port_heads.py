@@ -22,7 +22,11 @@ from dcpcheck.oracle.attention import merge_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.test_combine import HEAD_DIM, NUM_TOKENS, check_combine, synthetic_partials
 
-pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.scenario("lse_near_150"), pytest.mark.world_sizes(2, 4, 8)]
+pytestmark = [
+    pytest.mark.stage(STAGE_COMBINE),
+    pytest.mark.scenario("lse_near_150", "port_heads"),
+    pytest.mark.world_sizes(2, 4, 8),
+]
 
 PORT_LOCAL_HEADS = 8
 WINDOW = 4

@@ -2,7 +2,8 @@
 
 The port fuses the sink gather (``_dcp_attn_sink``), the neutral window of
 ranks other than 0 (``_dcp_neutral_swa``), its kernel call and the combine
-into one step. Each call here runs that step once on a layer of this rank
+into one step. Each call here runs that step twice (a served layer runs many;
+the second call meets what the first left on it) on a layer of this rank
 (8 local heads, the given head dim, the combine backend read from
 ``DSV41_DCP_COMBINE`` at ``__init__`` as the port reads it), with the
 module's ``_sm120_sparse_attention_with_lse`` replaced for the call by a
@@ -77,5 +78,8 @@ def run_step(layer, out, lse, sink, swa_indices, swa_lens, group) -> tuple[torch
         patched(module, _sm120_sparse_attention_with_lse=kernel),
         patched(layer, dcp_group=group, attn_sink=attn_sink, _dcp_sink=None),
     ):
-        layer._run_sm120_dcp(q, out.new_empty((1, 1, head_dim)), swa_indices, swa_lens, None, None, None, output)
+        # Twice: a served layer runs every step, and what its first call leaves on
+        # it (the gathered sink, the combine's launch context) serves the later ones.
+        for _ in range(2):
+            layer._run_sm120_dcp(q, out.new_empty((1, 1, head_dim)), swa_indices, swa_lens, None, None, None, output)
     return output, KernelInputs(**seen)

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import re
 
-from dcpcheck.impls.dsv41.serving import COMPRESSED_WRITER, FLASHINFER_KERNEL_CALL, READ_UNIT, SWA_CACHE_PLACEMENT
+from dcpcheck.impls.dsv41.serving import (
+    COMBINE_CONTEXT,
+    COMPRESSED_WRITER,
+    FLASHINFER_KERNEL_CALL,
+    READ_UNIT,
+    SWA_CACHE_PLACEMENT,
+)
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH, KnownFailure
 
 # vLLM 0.33.0's defects (dcpcheck.impls.vllm_adapter.KNOWN_DEFECTS) the port's
@@ -33,6 +39,7 @@ INTERLEAVE_UNIT = (
 WRITE_SIDE_MISSING = "docs/dsv41.md, finding 4"
 SWA_PLACEMENT = "docs/dsv41.md, finding 5"
 KERNEL_CALL = "docs/dsv41.md, finding 6"
+COMBINE_CONTEXT_REUSED = "docs/dsv41.md, finding 7; probed"
 STALE_INDEX_CACHE = (
     "seed DCP2 port: _dcp_prefill_gather caches the remapped top-k per step under "
     "'ikey = (topk_indices.data_ptr(), tuple(topk_indices.shape))', but every layer reads its top-k from the one "
@@ -61,6 +68,7 @@ SHOWS_RATIO2_LAYER = (
     r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)|gathered prefill vs [^(]*\(stage=9 [^()]*rho=2 "
 )
 SHOWS_STAGE1_READS = r"states read by rank \d+ vs the oracle"
+SHOWS_RELAUNCH_REFUSED = r"TypeError: function takes exactly \d+ arguments \(\d+ given\)"
 SHOWS_STAGE9_REMAP = r"gathered-buffer slot of each top-k id vs the oracle: \d+ problem"
 # An interleave read in tokens as states can exceed a page: vLLM's filter refuses it.
 SHOWS_INTERLEAVE_OVER_PAGE = r"BLOCK_SIZE \(\d+\) must be divisible by cp_kv_cache_interleave_size \(\d+\)"
@@ -85,6 +93,8 @@ def port_defect(terms, findings) -> KnownFailure | None:
         defects.append(_probed(SWA_CACHE_PLACEMENT, findings.swa_placement, SWA_PLACEMENT))
     if "tree_kernel_call" in terms.properties and findings.kernel_call:
         defects.append(_probed(FLASHINFER_KERNEL_CALL, findings.kernel_call, KERNEL_CALL))
+    if "tree_combine_context" in terms.properties and findings.combine_context:
+        defects.append(_probed(COMBINE_CONTEXT, findings.combine_context, COMBINE_CONTEXT_REUSED))
     if "tree_read_unit" in terms.properties and findings.read_unit:
         defects.append(
             KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", re.escape(SHOWS_PROBE.format(probe=READ_UNIT)))
@@ -105,6 +115,13 @@ def port_defect(terms, findings) -> KnownFailure | None:
         if shows:
             reason = f"{INTERLEAVE_UNIT}: {findings.read_unit}"
             defects.append(KnownFailure(reason, "|".join([*shows, SHOWS_INTERLEAVE_OVER_PAGE])))
+    if (
+        "port_heads" in terms.properties
+        and terms.backend == "ag_rs"
+        and findings.combine_context
+        and {"combine", "fused_combine"} & terms.capabilities
+    ):
+        defects.append(KnownFailure(f"{findings.combine_context}; {COMBINE_CONTEXT_REUSED}", SHOWS_RELAUNCH_REFUSED))
     if "build_attention" not in terms.capabilities:
         return KnownFailure.joined(defects)
     if "adjacent_index_sources" in terms.properties:

@@ -31,6 +31,7 @@ SWA_CACHE_PLACEMENT = "sliding-window cache placement"
 FLASHINFER_KERNEL_CALL = "FlashInfer kernel call"
 DCP_REFUSAL = "indexer's DCP refusal"
 HEAD_COUNTS = "DCP head counts"
+COMBINE_CONTEXT = "combine launch context"
 
 PROBE_WORLD_SIZE = 2
 PROBE_RATIO = 2
@@ -435,6 +436,35 @@ def head_count_finding(tree: PortTree) -> str | None:
     return "; ".join(problems) or None
 
 
+def combine_context_finding(build_layer) -> str | None:
+    """Can the combine launch context the port keeps on each layer (``_cp_ctx``, handed
+    to ``cp_lse_ag_out_rs`` as ``ctx=`` every step) launch vLLM's combine kernel a second
+    time on this host? Asked of compiled kernels only (a GPU); None where it can."""
+    if not torch.cuda.is_available():
+        return None
+    import triton  # here, not at import: on CPU the adapter sets TRITON_INTERPRET before triton loads
+
+    context = getattr(build_layer(0, PROBE_RATIO), "_cp_ctx", None)
+    if context is None:
+        return None
+    ops = sys.modules[type(context).__module__]
+    fresh = type(context)()  # a context of the same class, never used by the layer
+    out = torch.ones((4, 16, 64), dtype=torch.bfloat16, device="cuda")
+    lses = torch.zeros((PROBE_WORLD_SIZE, 4, 16), dtype=torch.float32, device="cuda")
+    try:
+        for _ in range(2):
+            ops.correct_attn_out(out.clone(), lses, 0, fresh, is_lse_base_on_e=False)
+    except TypeError as exc:
+        return (
+            "the port keeps one CPTritonContext per layer (self._cp_ctx, made in __init__ and passed as ctx= to "
+            "cp_lse_ag_out_rs by _run_sm120_dcp), and vLLM's CPTritonContext.call_kernel relaunches the combine "
+            f"kernel it compiled with the non-constexpr arguments only, which Triton {triton.__version__}'s "
+            f"launcher refuses: a context's second launch raises TypeError: {exc}. vLLM's own callers pass no "
+            "context (a fresh one per call), so only the port meets it: every DCP layer's second ag_rs combine"
+        )
+    return None
+
+
 class ServingFindings:
     """The probes' answers for one tree, each asked once, when first needed."""
 
@@ -479,6 +509,10 @@ class ServingFindings:
         return head_count_finding(self._tree)
 
     @functools.cached_property
+    def combine_context(self) -> str | None:
+        return combine_context_finding(self._build_layer)
+
+    @functools.cached_property
     def dcp_refusal(self) -> str | None:
         return refusal_finding(self._tree)
 
@@ -486,6 +520,7 @@ class ServingFindings:
         return {
             DCP_REFUSAL: self.dcp_refusal,
             HEAD_COUNTS: self.head_counts,
+            COMBINE_CONTEXT: self.combine_context,
             COMPRESSED_WRITER: self.compressed_writer,
             READ_UNIT: self.read_unit,
             SWA_CACHE_PLACEMENT: self.swa_placement,
