@@ -85,12 +85,13 @@ class Dsv41Implementation:
         self.findings = ServingFindings(
             self.tree,
             self.vllm,
-            lambda rank, rho: self._port_layer(
+            lambda rank, rho, backend="a2a": self._port_layer(
                 serving.probe_device(),
                 serving.PROBE_WORLD_SIZE,
                 rank,
                 serving.PROBE_INTERLEAVE_TOKENS // rho,
                 rho=rho,
+                backend=backend,
             ),
         )
         # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.driver import cuda_query_stand_ins
-from dcpcheck.impls.dsv41.tree import patched
+from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
 
 KERNEL_SIGNATURE = inspect.signature(reference_kernel.sm120_sparse_attention_with_lse)
 

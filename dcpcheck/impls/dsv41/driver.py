@@ -4,7 +4,6 @@ the shared top-k buffer, cache views; see :mod:`.layer` for what is modelled."""
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ from dcpcheck.impls.dsv41.layer import (
     padded_topk_width,
 )
 from dcpcheck.impls.dsv41.serving import build_compressed_metadata
-from dcpcheck.impls.dsv41.tree import patched
+from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins
 
 
 @dataclass
@@ -31,17 +30,6 @@ class StepMetadata:
     comp_write_slots: torch.Tensor | None  # [T] int64, suite order
     swa_write_slots: torch.Tensor | None  # [T] int64, suite order
     layout: tuple
-
-
-@contextmanager
-def cuda_query_stand_ins():
-    """On a torch without CUDA, ``torch.cuda.is_current_stream_capturing`` raises
-    instead of answering; the port asks it every call. Answer False there."""
-    if torch.cuda.is_available():
-        yield
-        return
-    with patched(torch.cuda, is_current_stream_capturing=lambda: False):
-        yield
 
 
 def _compact_prefix(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
 from dcpcheck.impls.dsv41.layer import INDEX_TOPK, LayerSpec, attention_base, build_port_layer
-from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
+from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, cuda_query_stand_ins, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
 
 # The probes' names: each probe's check fails with "NAME: finding".
@@ -436,15 +436,43 @@ def head_count_finding(tree: PortTree) -> str | None:
     return "; ".join(problems) or None
 
 
+def kept_combine_context(build_layer):
+    """The launch context two ``_run_sm120_dcp`` steps of one layer built for the ag_rs
+    combine both hand ``cp_lse_ag_out_rs`` as ``ctx=``; None where the steps hand no
+    context or a new one each (vLLM's own callers). Its kernel is a no-op and the
+    combine a spy that records ``ctx=``: this runs on any host."""
+    layer = build_layer(0, PROBE_RATIO, backend="ag_rs")
+    module = sys.modules[type(layer).__module__]
+    handed = []
+
+    def combine(out, lse, group, *args, ctx=None, **kwargs):
+        handed.append(ctx)
+        return out[:, : out.shape[1] // group.world_size]
+
+    device = probe_device()
+    q = torch.zeros((1, layer.n_local_heads, layer.head_dim), dtype=torch.bfloat16, device=device)
+    swa_indices = torch.full((1, 1, 1), -1, dtype=torch.int32, device=device)
+    swa_lens = torch.zeros(1, dtype=torch.int32, device=device)
+    with (
+        cuda_query_stand_ins(),
+        patched(module, _sm120_sparse_attention_with_lse=lambda *args, **kwargs: None, cp_lse_ag_out_rs=combine),
+        patched(layer, dcp_group=_LocalAllGather(PROBE_WORLD_SIZE), _dcp_sink=None),
+    ):
+        for _ in range(2):
+            layer._run_sm120_dcp(q, q.new_empty((1, 1, layer.head_dim)), swa_indices, swa_lens, None, None, None, q)
+    first, second = handed
+    return first if first is not None and first is second else None
+
+
 def combine_context_finding(build_layer) -> str | None:
-    """Can the combine launch context the port keeps on each layer (``_cp_ctx``, handed
-    to ``cp_lse_ag_out_rs`` as ``ctx=`` every step) launch vLLM's combine kernel a second
-    time on this host? Asked of compiled kernels only (a GPU); None where it can."""
+    """Can the combine launch context the port keeps across steps (:func:`kept_combine_context`)
+    launch vLLM's combine kernel a second time on this host? Asked of compiled kernels
+    only (a GPU); None where it can, or where no context is kept."""
     if not torch.cuda.is_available():
         return None
     import triton  # here, not at import: on CPU the adapter sets TRITON_INTERPRET before triton loads
 
-    context = getattr(build_layer(0, PROBE_RATIO), "_cp_ctx", None)
+    context = kept_combine_context(build_layer)
     if context is None:
         return None
     ops = sys.modules[type(context).__module__]
@@ -456,8 +484,8 @@ def combine_context_finding(build_layer) -> str | None:
             ops.correct_attn_out(out.clone(), lses, 0, fresh, is_lse_base_on_e=False)
     except TypeError as exc:
         return (
-            "the port keeps one CPTritonContext per layer (self._cp_ctx, made in __init__ and passed as ctx= to "
-            "cp_lse_ag_out_rs by _run_sm120_dcp), and vLLM's CPTritonContext.call_kernel relaunches the combine "
+            "the port keeps one CPTritonContext per layer and hands it to cp_lse_ag_out_rs as ctx= at every "
+            "step (_run_sm120_dcp), and vLLM's CPTritonContext.call_kernel relaunches the combine "
             f"kernel it compiled with the non-constexpr arguments only, which Triton {triton.__version__}'s "
             f"launcher refuses: a context's second launch raises TypeError: {exc}. vLLM's own callers pass no "
             "context (a fresh one per call), so only the port meets it: every DCP layer's second ag_rs combine"

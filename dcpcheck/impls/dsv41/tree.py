@@ -17,6 +17,8 @@ import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from dcpcheck.impls.dsv41 import reference_kernel
 from dcpcheck.spies import environments
 
@@ -167,3 +169,14 @@ def patched(target, **replacements):
     finally:
         for name, value in saved.items():
             setattr(target, name, value)
+
+
+@contextmanager
+def cuda_query_stand_ins():
+    """On a torch without CUDA, ``torch.cuda.is_current_stream_capturing`` raises
+    instead of answering; the port asks it every call. Answer False there."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with patched(torch.cuda, is_current_stream_capturing=lambda: False):
+        yield
