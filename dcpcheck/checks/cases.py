@@ -16,6 +16,6 @@ def own_heads(ctx, num_heads: int) -> slice:
 
 def checked_layer_output(out, q: torch.Tensor, device) -> torch.Tensor:
     """A layer forward's output, checked to be ``q``'s shape and dtype on
-    ``device`` (``q``: this rank's heads of the layer's query), on the CPU."""
+    ``device`` (``q``: this rank's heads of the layer's query)."""
     expected = (Expected("out", tuple(q.shape), q.dtype),)
-    return assert_outputs("the layer's forward", out, expected, device=device).cpu()
+    return assert_outputs("the layer's forward", out, expected, device=device)

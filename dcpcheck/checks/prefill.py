@@ -99,9 +99,12 @@ def prefill_step(
     )
 
 
-def run_layer(layer, step: PrefillStep, device, *, block_table=None, comp_cache=None, heads=None) -> torch.Tensor:
+def run_layer(
+    layer, step: PrefillStep, device, *, block_table=None, comp_cache=None, heads=None, on_device=False
+) -> torch.Tensor:
     """One forward of ``layer`` over the step, every request a prefill request
-    (the padding rows are not prefill rows). -> CPU [T, H_loc, D]."""
+    (the padding rows are not prefill rows). -> [T, H_loc, D], on the CPU
+    unless ``on_device`` (compare realistic sizes where they were made)."""
     batch, inputs = step.batch, step.inputs
     heads = step.heads if heads is None else heads
     plan = layer.plan_step(
@@ -121,7 +124,8 @@ def run_layer(layer, step: PrefillStep, device, *, block_table=None, comp_cache=
         comp_cache=step.comp_cache if comp_cache is None else comp_cache,
         topk=batch.topk.to(device),
     )
-    return checked_layer_output(out, inputs.q[:, heads], device)
+    out = checked_layer_output(out, inputs.q[:, heads], device)
+    return out if on_device else out.cpu()
 
 
 def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
@@ -141,13 +145,16 @@ def oracle_dcp1(step: PrefillStep) -> torch.Tensor:
     return out
 
 
-def port_dcp1(ctx, step: PrefillStep) -> torch.Tensor:
+def port_dcp1(ctx, step: PrefillStep, *, on_device=False) -> torch.Tensor:
     """The implementation's own W = 1 path (its default prefill path) on one
-    rank holding every state, for this rank's heads: [T, H_loc, D]."""
+    rank holding every state, for this rank's heads: [T, H_loc, D] (where
+    :func:`run_layer` puts it)."""
     layout = KvLayout(
         rho=step.batch.layout.rho, bs=step.batch.layout.bs, interleave=step.batch.layout.interleave, world_size=1
     )
     table = dcp1_block_table(step.batch)
     cache = comp_cache_for(step.batch, step.inputs, table, rank=0, world_size=1)
     layer = ctx.impl.build_attention(layout, DcpGroup.single_rank(ctx.device), prefill_gather=False)
-    return run_layer(layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device))
+    return run_layer(
+        layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device), on_device=on_device
+    )

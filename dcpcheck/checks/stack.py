@@ -111,7 +111,7 @@ class RankStack:
                 kv=layer_inputs.kv.to(device),
                 states=None if layer_inputs.states is None else layer_inputs.states.to(device),
             )
-            outputs.append(checked_layer_output(out, layer_inputs.q[:, self.heads], device))
+            outputs.append(checked_layer_output(out, layer_inputs.q[:, self.heads], device).cpu())
         return outputs
 
     def finish(self, uids) -> None:

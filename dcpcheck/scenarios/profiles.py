@@ -77,7 +77,7 @@ SMALL = ShapeProfile(
 
 # C128A keeps fewer rows: its requests are up to top_k * 128 = 64k tokens
 # long, and the scenario's replicated window cache holds every token of every
-# request on the host (256 such rows would be ~8 GB per rank).
+# request (256 such rows would be ~8 GB per rank).
 DSV4_FLASH = ShapeProfile(
     name="dsv4-flash",
     num_heads=64,

@@ -21,7 +21,7 @@ from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs
 from dcpcheck.scenarios.batch import StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_COMBINE
-from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
+from tests.gpu.common import check_same_inputs, oracle_spot_check, profile_name, shared_seed, spot_rows, summary
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,6 @@ class DecodeScenario:
     heads: slice  # this rank's heads
     table: torch.Tensor  # this rank's block table
     comp_cache: torch.Tensor  # this rank's compressed cache, on the device
-    swa_cache: torch.Tensor  # on the device
     swa_slots: torch.Tensor  # on the device
     dcp1_table: torch.Tensor
     dcp1_cache: torch.Tensor  # every state on one rank, on the device
@@ -64,6 +63,7 @@ def decode_scenario(
         window=shapes.window,
         dtype=shapes.dtype,
         seed=seed + 1,
+        device=device,
     )
     heads_local = shapes.num_heads // world_size
     heads = slice(rank * heads_local, (rank + 1) * heads_local)
@@ -81,10 +81,8 @@ def decode_scenario(
         rows=rows,
     )
     return DecodeScenario(
-        batch, inputs, heads, table,
-        comp_cache_for(batch, inputs, table, rank=rank, world_size=world_size).to(device),
-        inputs.swa_cache.to(device), inputs.swa_slots.to(device),
-        dcp1_table, dcp1_cache.to(device), rows, oracle_out,
+        batch, inputs, heads, table, comp_cache_for(batch, inputs, table, rank=rank, world_size=world_size),
+        inputs.swa_slots.to(device), dcp1_table, dcp1_cache, rows, oracle_out,
     )  # fmt: skip
 
 
@@ -92,32 +90,33 @@ def check_realistic_decode(ctx, *, profile, rho, backend, scenario_seed):
     W, rank, device, impl = ctx.world_size, ctx.rank, ctx.device, ctx.impl
     scenario = decode_scenario(profile, rho, W, rank, scenario_seed, device)
     batch, inputs, heads = scenario.batch, scenario.inputs, scenario.heads
+    check_same_inputs(ctx, inputs)
     context = {"stage": STAGE_COMBINE, "W": W, "rank": rank, "profile": profile, "rho": rho,
                "backend": backend, "T": batch.num_tokens, "scenario_seed": scenario_seed}  # fmt: skip
 
     slots, _ = filter_on_rank(impl, batch, scenario.table, device, world_size=W, rank=rank)
     out = impl.dcp_attention(
-        inputs.q[:, heads].to(device),
-        inputs.sink[heads].to(device),
+        inputs.q[:, heads],
+        inputs.sink[heads],
         scenario.comp_cache,
         slots.to(device),
-        scenario.swa_cache,
+        inputs.swa_cache,
         scenario.swa_slots,
         ctx.group,
         scale=inputs.scale,
         backend=backend,
-    ).cpu()
+    )
     dcp1_slots, _ = filter_on_rank(impl, batch, scenario.dcp1_table, device, world_size=1, rank=0)
-    dcp1 = impl.dcp_attention(
-        inputs.q.to(device),
-        inputs.sink.to(device),
+    dcp1 = impl.dcp_attention(  # this rank's heads: attention is per head
+        inputs.q[:, heads],
+        inputs.sink[heads],
         scenario.dcp1_cache,
         dcp1_slots.to(device),
-        scenario.swa_cache,
+        inputs.swa_cache,
         scenario.swa_slots,
         DcpGroup.single_rank(device),
         scale=inputs.scale,
-    )[:, heads].cpu()
+    )
 
     rows = scenario.spot_rows.tolist()
     head_offsets = (0, heads.start, 0)  # messages name global heads

@@ -21,7 +21,7 @@ from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_PREFILL
-from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
+from tests.gpu.common import check_same_inputs, oracle_spot_check, profile_name, shared_seed, spot_rows, summary
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,6 +55,7 @@ def prefill_scenario(
         window=shapes.window,
         dtype=shapes.dtype,
         seed=seed + 1,
+        device=device,
     )
     heads_local = shapes.num_heads // world_size
     heads = slice(rank * heads_local, (rank + 1) * heads_local)
@@ -62,7 +63,7 @@ def prefill_scenario(
     cache = comp_cache_for(batch, inputs, table, rank=rank, world_size=world_size)
     context = {"stage": STAGE_PREFILL, "W": world_size, "rank": rank, "profile": profile, "rho": rho,
                "T": batch.num_tokens, "scenario_seed": seed}  # fmt: skip
-    step = PrefillStep(batch, inputs, heads, table.to(device), cache.to(device), context)
+    step = PrefillStep(batch, inputs, heads, table.to(device), cache, context)
     rows = spot_rows(batch, ORACLE_STRIDE)
     dense_slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
     oracle_out, _ = oracle_spot_check(
@@ -81,11 +82,12 @@ def prefill_scenario(
 def check_realistic_prefill(ctx, *, profile, rho, gather, backend, scenario_seed):
     scenario = prefill_scenario(profile, rho, ctx.world_size, ctx.rank, scenario_seed, ctx.device)
     step, batch = scenario.step, scenario.step.batch
+    check_same_inputs(ctx, step.inputs)
     path = "gathered prefill" if gather else f"prefill in sub-chunks ({backend})"
     context = {**step.context, "path": path}
     options = {"prefill_gather": gather} if gather else {"prefill_gather": False, "backend": backend}
-    out = run_layer(ctx.impl.build_attention(batch.layout, ctx.group, **options), step, ctx.device)
-    dcp1 = port_dcp1(ctx, step)
+    out = run_layer(ctx.impl.build_attention(batch.layout, ctx.group, **options), step, ctx.device, on_device=True)
+    dcp1 = port_dcp1(ctx, step, on_device=True)
 
     rows = scenario.spot_rows.tolist()
     labels = step.row_labels

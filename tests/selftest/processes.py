@@ -1,0 +1,60 @@
+"""What the no-orphan self-tests share: an inner session whose case spins
+with the GIL held, and how a test waits for processes and reads their state."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tests.selftest.inner import start_inner_pytest, write_session
+
+GIL_SPINNING_TESTS = """
+from tests.selftest.hostile import spin_holding_the_gil, start_processes
+
+def spin_after_starting_processes(ctx, *, marker, pid_file, stop_rank):
+    start_processes(ctx, pid_file=pid_file)
+    spin_holding_the_gil(ctx, marker=marker, stop_rank=stop_rank)
+
+def test_spins(dcp, tmp_path_factory):
+    dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}", stop_rank={stop_rank})
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_until(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+def pool_dir_of(rank_pid: int) -> Path:
+    """The pool's temporary directory: where the rank's stack file is open."""
+    for fd in Path(f"/proc/{rank_pid}/fd").iterdir():
+        target = Path(os.readlink(fd))
+        if target.name.startswith("stacks"):
+            return target.parent
+    raise AssertionError(f"rank {rank_pid} has no stack file open")
+
+
+def start_spinning_session(tmp_path, args: list[str]):
+    """An inner session whose one W = 2 case spins with the GIL held (its
+    timeout far away) -> (the process, the rank pids, the pool's directory)."""
+    marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
+    tests = GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=None)
+    write_session(tmp_path, {"test_spin.py": tests})
+    proc = start_inner_pytest(
+        tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120", *args], own_group=True
+    )
+    markers = [Path(f"{marker}.{rank}") for rank in range(2)]
+    assert wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
+    ranks = [int(m.read_text()) for m in markers]
+    return proc, ranks, pool_dir_of(ranks[0])
