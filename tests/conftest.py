@@ -8,8 +8,7 @@ once per world size and serve every group it runs (the self-tests' pools too).
 
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
 then every test file is a group of its own, handed out in the order of the
-command line (it lists the longest first), a self-test file's cases of each
-W are a group (a W's cases run one after another on its pool), and each realistic GPU file is
+command line (it lists the longest first), and each realistic GPU file is
 split by W (at W <= 2, where a rank's host-side work is largest, by DeepSeek
 model too), so that its parts run side by side (each part still builds its
 scenarios once, on one worker; the memory-heavy W = 4 and W = 8 parts stay
@@ -50,11 +49,9 @@ def handed_out_first(group: str) -> int:
 
 def spread_group(nodeid: str) -> str:
     path = nodeid.split("::")[0]
-    world = re.search(r"\[W(\d+)", nodeid)
-    if path.startswith(SELFTEST_PREFIX) and world:
-        return f"{path} W{world.group(1)}"  # a W's cases share its pool, in file order
     if not path.startswith(GPU_PREFIX):
         return path
+    world = re.search(r"\[W(\d+)", nodeid)
     if world and int(world.group(1)) >= 4:
         return f"{path} W{world.group(1)}"
     model = re.search(r"-(v4\.\d)[-\]]", nodeid)

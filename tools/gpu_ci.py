@@ -145,12 +145,12 @@ def longest_first(paths: list[str]) -> list[str]:
     return sorted(paths, key=lambda path: LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST))
 
 
-def default_workers(cores: int) -> int:
-    """xdist workers for the pool session: 2 cores each, for their ranks'
-    process starts and the self-tests' inner sessions (the realistic cases
-    draw their inputs and compare on the GPU); 8 at most, each starting a
-    pool per world size (1 + 2 + 4 + 8 ranks) on the GPUs."""
-    return max(1, min(8, cores // 2))
+def default_workers(gpus: int, cores: int) -> int:
+    """xdist workers for the pool session: each starts a pool per world size
+    (1 + 2 + 4 + 8 ranks, a CUDA context each) on the shared GPUs, so not
+    more than 5 per GPU (on one H200, 8 workers ran it out of memory at pool
+    starts, beside the realistic cases), and 3 cores each; 8 at most."""
+    return max(1, min(8, 5 * max(gpus, 1), cores // 3))
 
 
 def _xdist_keeps_order() -> list[str]:
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
         return 2
     cores = os.cpu_count() or 1
     if args.workers is None:
-        args.workers = default_workers(cores)
+        args.workers = default_workers(gpus, cores)
     wanted = set(args.steps.split(",")) if args.steps else set(STEP_NAMES)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
