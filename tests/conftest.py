@@ -1,10 +1,9 @@
-"""``pytest -n 2 --dist loadgroup`` (the README's test command) runs the
-self-tests, which mostly wait (on inner sessions and planted timeouts), as
-one group on one xdist worker, and each stage test file as a group of its
-own: the other worker starts on the stage files, longest first, and whichever
-worker is free takes the next file, so the self-tests' waiting overlaps the
-compute and neither worker idles at the end. A worker's pools are started
-once per world size and serve every group it runs (the self-tests' pools too).
+"""``pytest -n 2 --dist loadgroup`` (the README's test command) runs each
+test file as a group on one xdist worker (a file's cases share its module
+fixtures and, per world size, its worker's pools), self-test and stage files
+alike, handed out longest first: whichever worker is free takes the next
+file, so neither idles at the end. A worker's pools are started once per
+world size and serve every group it runs.
 
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
 then every test file is a group of its own, handed out in the order of the
@@ -26,29 +25,35 @@ import re
 
 import pytest
 
-SELFTEST_PREFIX = "tests/selftest/"
 GPU_PREFIX = "tests/gpu/"
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
 
 
-# Stage files handed out first, in this order (the longest on 2 CPU cores);
-# the others follow in xdist's order (the most tests first).
-LONGEST_STAGE_FILES = ("tests/e2e/test_serving_trace.py", "tests/stage9_prefill/test_prefill_attention.py")
+# Files handed out first, in this order: the longest on 2 CPU cores (their
+# cases' seconds under --durations); the others follow in xdist's order (the
+# most tests first).
+LONGEST_FILES = (
+    "tests/e2e/test_serving_trace.py",
+    "tests/selftest/test_rank_failures.py",
+    "tests/selftest/test_session_end.py",
+    "tests/selftest/test_no_orphans.py",
+    "tests/selftest/test_session_setup.py",
+    "tests/stage9_prefill/test_prefill_attention.py",
+    "tests/selftest/test_torchrun_mode.py",
+    "tests/stage3_combine/test_combine.py",
+)
 
 
-def selftests_and_files(nodeid: str) -> str:
-    return "selftest" if nodeid.startswith(SELFTEST_PREFIX) else nodeid.split("::")[0]
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
 
 
 def handed_out_first(group: str) -> int:
-    """The self-tests first (their waits then overlap everything else), then the longest stage files."""
-    if group == "selftest":
-        return 0
-    return 1 + LONGEST_STAGE_FILES.index(group) if group in LONGEST_STAGE_FILES else 1 + len(LONGEST_STAGE_FILES)
+    return LONGEST_FILES.index(group) if group in LONGEST_FILES else len(LONGEST_FILES)
 
 
 def spread_group(nodeid: str) -> str:
-    path = nodeid.split("::")[0]
+    path = file_of(nodeid)
     if not path.startswith(GPU_PREFIX):
         return path
     world = re.search(r"\[W(\d+)", nodeid)
@@ -68,7 +73,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class PathGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return spread_group(nodeid) if spread else selftests_and_files(nodeid)
+            return spread_group(nodeid) if spread else file_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
             if not spread:  # in place of xdist's order (by test count, unless --no-loadscope-reorder)
