@@ -13,6 +13,7 @@ and ``cp_interleave``, as vLLM's indexer calls it) is the reference placement.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 from contextlib import contextmanager, nullcontext
@@ -443,11 +444,14 @@ def kept_combine_context(build_layer):
     combine a spy that records ``ctx=``: this runs on any host."""
     layer = build_layer(0, PROBE_RATIO, backend="ag_rs")
     module = sys.modules[type(layer).__module__]
+    signature = inspect.signature(module.cp_lse_ag_out_rs)
     handed = []
 
-    def combine(out, lse, group, *args, ctx=None, **kwargs):
-        handed.append(ctx)
-        return out[:, : out.shape[1] // group.world_size]
+    def combine(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        handed.append(call.get("ctx"))
+        out = next(iter(call.values()))
+        return out[:, : out.shape[1] // PROBE_WORLD_SIZE]
 
     device = probe_device()
     q = torch.zeros((1, layer.n_local_heads, layer.head_dim), dtype=torch.bfloat16, device=device)
@@ -460,8 +464,8 @@ def kept_combine_context(build_layer):
     ):
         for _ in range(2):
             layer._run_sm120_dcp(q, q.new_empty((1, 1, layer.head_dim)), swa_indices, swa_lens, None, None, None, q)
-    first, second = handed
-    return first if first is not None and first is second else None
+    kept = len(handed) == 2 and handed[0] is not None and handed[0] is handed[1]
+    return handed[0] if kept else None
 
 
 def combine_context_finding(build_layer) -> str | None:
