@@ -8,7 +8,7 @@ world size and serve every group it runs.
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
 then every test file is a group of its own, handed out in the order of the
 command line (it lists the longest first), and each realistic GPU file is
-split by W (at W <= 2, where a rank's host-side work is largest, by DeepSeek
+split by W (at W <= 2, where each rank's share of a case is largest, by DeepSeek
 model too), so that its parts run side by side (each part still builds its
 scenarios once, on one worker; the memory-heavy W = 4 and W = 8 parts stay
 one each).
