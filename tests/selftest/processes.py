@@ -22,6 +22,7 @@ def test_spins(dcp, tmp_path_factory):
 
 
 def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
