@@ -25,6 +25,8 @@ def cp_lse_ag_out_rs(out, lse, group, ctx=None, is_lse_base_on_e=True):
 
 
 class StandInLayer:
+    """Its step calls the kernel and the combine as the port's ``_run_sm120_dcp`` does."""
+
     n_local_heads = 8
     head_dim = 64
 
@@ -32,15 +34,19 @@ class StandInLayer:
         self.context_per_step = context_per_step
         self._cp_ctx = LaunchContext()
         self.dcp_group = None
+        self.attn_sink = None
         self._dcp_sink = None
 
     def _run_sm120_dcp(self, q, swa_cache, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens, output):
         gathered = self.dcp_group.all_gather(q, dim=1)
-        lse = torch.zeros(gathered.shape[:2])
-        _sm120_sparse_attention_with_lse(gathered, swa_cache, None, swa_indices, swa_lens, None, None, None, gathered)
+        out, lse = torch.empty_like(gathered), torch.empty(gathered.shape[:2])
+        _sm120_sparse_attention_with_lse(
+            gathered, swa_cache, None, swa_indices, swa_lens, extra_cache, extra_indices, extra_lens,
+            out, 1.0, None, lse,
+        )  # fmt: skip
         if self.context_per_step is None:  # a tree whose step combines by other means
             return
-        output.copy_(cp_lse_ag_out_rs(gathered, lse, self.dcp_group, self.context_per_step(self), False))
+        output.copy_(cp_lse_ag_out_rs(out, lse, self.dcp_group, self.context_per_step(self), False))
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,10 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from dcpcheck.impls.dsv41.combine import run_step
 from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
 from dcpcheck.impls.dsv41.layer import INDEX_TOPK, LayerSpec, attention_base, build_port_layer
-from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, cuda_query_stand_ins, patched
+from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
 
 # The probes' names: each probe's check fails with "NAME: finding".
@@ -439,9 +440,10 @@ def head_count_finding(tree: PortTree) -> str | None:
 
 def kept_combine_context(build_layer):
     """The launch context two ``_run_sm120_dcp`` steps of one layer built for the ag_rs
-    combine both hand ``cp_lse_ag_out_rs`` as ``ctx=``; None where the steps hand no
-    context or a new one each (vLLM's own callers). Its kernel is a no-op and the
-    combine a spy that records ``ctx=``: this runs on any host."""
+    combine both hand ``cp_lse_ag_out_rs`` as ``ctx``; None where the steps hand no
+    context or a new one each (vLLM's own callers). The steps are stage 3's
+    (:func:`dcpcheck.impls.dsv41.combine.run_step`, its kernel a stand-in), the combine a
+    spy that records ``ctx``: this runs on any host."""
     layer = build_layer(0, PROBE_RATIO, backend="ag_rs")
     module = sys.modules[type(layer).__module__]
     signature = inspect.signature(module.cp_lse_ag_out_rs)
@@ -454,16 +456,15 @@ def kept_combine_context(build_layer):
         return out[:, : out.shape[1] // PROBE_WORLD_SIZE]
 
     device = probe_device()
-    q = torch.zeros((1, layer.n_local_heads, layer.head_dim), dtype=torch.bfloat16, device=device)
+    heads = layer.n_local_heads * PROBE_WORLD_SIZE
+    out = torch.zeros((1, heads, layer.head_dim), dtype=torch.bfloat16, device=device)
+    lse = torch.zeros((1, heads), dtype=torch.float32, device=device)
     swa_indices = torch.full((1, 1, 1), -1, dtype=torch.int32, device=device)
     swa_lens = torch.zeros(1, dtype=torch.int32, device=device)
-    with (
-        cuda_query_stand_ins(),
-        patched(module, _sm120_sparse_attention_with_lse=lambda *args, **kwargs: None, cp_lse_ag_out_rs=combine),
-        patched(layer, dcp_group=_LocalAllGather(PROBE_WORLD_SIZE), _dcp_sink=None),
-    ):
-        for _ in range(2):
-            layer._run_sm120_dcp(q, q.new_empty((1, 1, layer.head_dim)), swa_indices, swa_lens, None, None, None, q)
+    with patched(module, cp_lse_ag_out_rs=combine):
+        run_step(
+            layer, out, lse, torch.zeros(layer.n_local_heads), swa_indices, swa_lens, _LocalAllGather(PROBE_WORLD_SIZE)
+        )
     kept = len(handed) == 2 and handed[0] is not None and handed[0] is handed[1]
     return handed[0] if kept else None
 
