@@ -34,12 +34,11 @@ CASE_FRAMES = ("run_rank_case", "pytest_runtest_call", "pytest_runtest_setup")
 IMPORT_FRAME = "_find_and_load"
 PROCESS_FRAME = re.compile(r'process \d+:"(.*?)"(?=;|$)')  # py-spy --subprocesses: one per process, outermost first
 
+NESTED_PATCHING = "Triton interpreter: triton.language patched again at a nested @triton.jit call"
+
 # (kind, test on a stack's frames): the first that matches names a sample.
 KINDS = (
-    (
-        "Triton interpreter: triton.language patched again at a nested @triton.jit call",
-        lambda frames: _calls(frames, NESTED_JIT_CALL, PATCH_LANG),
-    ),
+    (NESTED_PATCHING, lambda frames: _calls(frames, NESTED_JIT_CALL, PATCH_LANG)),
     (
         "Triton interpreter: per launch (triton.language patched, arguments copied)",
         lambda frames: KERNEL_LAUNCH in frames and _kernel_of(frames) is None,
@@ -149,7 +148,7 @@ class Profile:
             kernel = _kernel_of(frames)
             if kernel is not None:
                 profile.kernels[kernel] += count
-                if kind == KINDS[0][0]:
+                if kind == NESTED_PATCHING:
                     profile.nested_patching[kernel] += count
         return profile
 
