@@ -79,8 +79,8 @@ MUTANTS = (
         "local KV, so the merged row turns NaN",
         patch=Patch(
             "combine.py",
-            "acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)",
-            "acc += part * weight[:, None]",
+            "weighted = tl.where(weights[:, :, None] > 0, parts * weights[:, :, None], 0.0)",
+            "weighted = parts * weights[:, :, None]",
         ),
     ),
     combine_mutant(

@@ -146,11 +146,12 @@ MUTANTS = (
     ),
     combine_mutant(
         name="A2aSumIn16Bit",
-        description="a2a sums the W weighted slices in the output dtype: bf16/fp16 rounding after every add, not once",
+        description="a2a rounds each of the W weighted slices to the output dtype before summing them: "
+        "bf16/fp16 rounding per rank, not once",
         patch=Patch(
             "combine.py",
-            "        acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)\n",
-            "        acc = (acc + tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)).to(merged_ptr.dtype.element_ty)\n",
+            "merged = tl.sum(weighted, axis=0)",
+            "merged = tl.sum(weighted.to(merged_ptr.dtype.element_ty).to(tl.float32), axis=0)",
         ),
     ),
     combine_mutant(
@@ -167,8 +168,8 @@ MUTANTS = (
         description="a2a rounds each rank's rescale factor b^(lse_r - L) to the output dtype before weighting",
         patch=Patch(
             "combine.py",
-            "weight = _rank_weight(lse, shift, total, log2_base, empty_bound)",
-            "weight = _rank_weight(lse, shift, total, log2_base, empty_bound).to(merged_ptr.dtype.element_ty)",
+            "weights = _rank_weight(lses, shift[None, :], total[None, :], log2_base, empty_bound)",
+            "weights = _rank_weight(lses, shift[None, :], total[None, :], log2_base, empty_bound).to(merged_ptr.dtype.element_ty)",
         ),
     ),
     combine_mutant(

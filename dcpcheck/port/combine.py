@@ -110,30 +110,34 @@ def _sum_received_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """a2a: merged = sum_r b^(lse_r - L) part_r over the W received slices."""
+    """a2a: merged = sum_r b^(lse_r - L) part_r over the W received slices, summed
+    as one [W, rows, D] tile (a loop over ranks costs the interpreter W times
+    the work)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
     row_ok = rows < num_rows
     shift, total, any_mass = _merge_scale(lses_ptr, rows, row_ok, num_rows, log2_base, empty_bound, WORLD, WORLD_P2)
     tl.store(merged_lse_ptr + rows, _merged_lse(shift, total, any_mass, log2_base, empty_lse), mask=row_ok)
 
+    ranks = tl.arange(0, WORLD_P2).to(tl.int64)
+    slice_ok = (ranks[:, None] < WORLD) & row_ok[None, :]
+    received_rows = ranks[:, None] * num_rows + rows[None, :]  # [W, rows] into the W * num_rows received rows
+    lses = tl.load(lses_ptr + received_rows, mask=slice_ok, other=float("-inf")).to(tl.float32)
+    weights = _rank_weight(lses, shift[None, :], total[None, :], log2_base, empty_bound)
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
-    tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
-    rank_rows = rows  # int64 row index into the [W * num_rows] received rows
-    for _ in tl.static_range(WORLD):
-        lse = tl.load(lses_ptr + rank_rows, mask=row_ok, other=float("-inf")).to(tl.float32)
-        weight = _rank_weight(lse, shift, total, log2_base, empty_bound)
-        part_offsets = rank_rows[:, None] * part_row_stride + cols[None, :]
-        part = tl.load(parts_ptr + part_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        acc += tl.where(weight[:, None] > 0, part * weight[:, None], 0.0)
-        rank_rows += num_rows
-    tl.store(merged_ptr + rows[:, None] * head_dim + cols[None, :], acc.to(merged_ptr.dtype.element_ty), mask=tile_ok)
+    tile_ok = slice_ok[:, :, None] & (cols[None, None, :] < head_dim)
+    part_offsets = received_rows[:, :, None] * part_row_stride + cols[None, None, :]
+    parts = tl.load(parts_ptr + part_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+    weighted = tl.where(weights[:, :, None] > 0, parts * weights[:, :, None], 0.0)
+    merged = tl.sum(weighted, axis=0)
+    out_ok = row_ok[:, None] & (cols[None, :] < head_dim)
+    tl.store(merged_ptr + rows[:, None] * head_dim + cols[None, :], merged.to(merged_ptr.dtype.element_ty), mask=out_ok)
 
 
-def _launch_shape(num_rows: int, head_dim: int) -> tuple[tuple[int], int, int]:
-    """-> (grid, BLOCK_ROWS, BLOCK_D) for a kernel over [num_rows, head_dim]."""
+def _launch_shape(num_rows: int, head_dim: int, slices: int = 1) -> tuple[tuple[int], int, int]:
+    """-> (grid, BLOCK_ROWS, BLOCK_D) for a kernel over [num_rows, head_dim] whose
+    widest tile is [slices, BLOCK_ROWS, BLOCK_D]."""
     block_d = triton.next_power_of_2(head_dim)
-    block_rows = max(1, min(COMBINE_TILE_ELEMENTS // block_d, triton.next_power_of_2(num_rows)))
+    block_rows = max(1, min(COMBINE_TILE_ELEMENTS // (slices * block_d), triton.next_power_of_2(num_rows)))
     return (triton.cdiv(num_rows, block_rows),), block_rows, block_d
 
 
@@ -213,7 +217,8 @@ def _combine_a2a(out, lse, group, log2_base):
     merged = torch.empty(num_tokens, heads_local, head_dim, dtype=out.dtype, device=out.device)
     merged_lse = torch.empty(num_tokens, heads_local, dtype=torch.float32, device=out.device)
     num_rows = num_tokens * heads_local
-    grid, block_rows, block_d = _launch_shape(num_rows, head_dim)
+    world_p2 = triton.next_power_of_2(world)
+    grid, block_rows, block_d = _launch_shape(num_rows, head_dim, slices=world_p2)
     _sum_received_kernel[grid](
         received,
         lses,
@@ -226,7 +231,7 @@ def _combine_a2a(out, lse, group, log2_base):
         EMPTY_LSE_BOUND,
         EMPTY_LSE,
         WORLD=world,
-        WORLD_P2=triton.next_power_of_2(world),
+        WORLD_P2=world_p2,
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
     )
