@@ -61,7 +61,7 @@ def _filter_index_kernel(
     table_rows = block_table_ptr + req[:, None] * block_table_row_stride
 
     # Owned entries of each tile are appended after the ones already kept.
-    # While loops over the runtime top_k, not range(): see triton_env.py.
+    # A while loop over the runtime top_k, not range(): see triton_env.py.
     count = tl.zeros([TOKENS], dtype=tl.int32)
     k0 = 0
     while k0 < top_k:
@@ -74,13 +74,6 @@ def _filter_index_kernel(
         dest = count[:, None] + tl.cumsum(keep, axis=1) - keep
         tl.store(slot_rows + dest.to(tl.int64), slot.to(tl.int32), mask=mine)
         count += tl.sum(keep, axis=1)
-        k0 += TILE
-
-    k0 = 0
-    while k0 < top_k:
-        cols = k0 + tl.arange(0, TILE).to(tl.int64)
-        tail = row_in[:, None] & (cols < top_k)[None, :] & (cols[None, :] >= count[:, None])
-        tl.store(slot_rows + cols[None, :], tl.full([TOKENS, TILE], -1, tl.int32), mask=tail)
         k0 += TILE
     tl.store(counts_ptr + rows, count, mask=row_in)
 
@@ -128,7 +121,8 @@ def filter_index(
     # The kernel walks rows by their stride and columns contiguously.
     topk, token_to_req, block_table = topk.contiguous(), token_to_req.contiguous(), block_table.contiguous()
     num_tokens, top_k = topk.shape
-    slots = torch.empty((num_tokens, top_k), dtype=torch.int32, device=topk.device)
+    # -1 everywhere first: the kernel writes only the kept prefix.
+    slots = torch.full((num_tokens, top_k), -1, dtype=torch.int32, device=topk.device)
     counts = torch.empty((num_tokens,), dtype=torch.int32, device=topk.device)
     if num_tokens == 0:
         return slots, counts

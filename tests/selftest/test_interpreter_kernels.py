@@ -13,6 +13,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -65,9 +66,10 @@ def check_stage1() -> None:
 
 class _OneRankOfTwo:
     """Rank 0 of a 2-rank group whose peer sent ``peer_lse`` and contributes
-    nothing to the reduce-scatter: enough to run the ag_rs kernel in one process."""
+    nothing to the reduce-scatter: enough to run the ag_rs kernel in one
+    process (the a2a one also needs its all-to-all stood in)."""
 
-    world_size, rank_in_group = 2, 0
+    world_size, rank_in_group, device_group = 2, 0, None
 
     def __init__(self, peer_lse: torch.Tensor):
         self.peer_lse = peer_lse
@@ -79,20 +81,47 @@ class _OneRankOfTwo:
         return x.chunk(self.world_size, dim=dim)[self.rank_in_group]
 
 
-def check_stage3() -> None:
+def _stage3_partials():
+    """-> (rank 0's out, the peer's out, both LSEs [2, T, H]): empty rows on
+    either rank and on both, a NaN output under rank 0's empty LSE."""
     generator = torch.Generator().manual_seed(2)
     num_tokens, num_heads, head_dim = 9, 4, 48
-    out = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
+    out, peer_out = torch.randn(2, num_tokens, num_heads, head_dim, generator=generator)
     lses = torch.randn(2, num_tokens, num_heads, generator=generator) * 4
     lses[0, 0] = -math.inf  # this rank empty (a NaN output under it must not leak)
     out[0] = math.nan
     lses[1, 1] = -math.inf  # the peer empty
     lses[:, 2] = -math.inf  # both empty
-    merged, merged_lse = combine(out, lses[0], _OneRankOfTwo(lses[1]), backend="ag_rs", return_lse=True)
-    expected, expected_lse = merge_partials(torch.stack([out, torch.zeros_like(out)]), lses)
-    own = slice(0, num_heads // 2)
+    return out, peer_out, lses
+
+
+def _check_merged(merged, merged_lse, outs, lses) -> None:
+    expected, expected_lse = merge_partials(torch.stack(outs), lses)
+    own = slice(0, lses.shape[2] // 2)
     torch.testing.assert_close(merged.double(), expected[:, own], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged_lse.double(), expected_lse[:, own], rtol=1e-5, atol=1e-5)
+
+
+def check_stage3_ag_rs() -> None:
+    out, _, lses = _stage3_partials()
+    merged, merged_lse = combine(out, lses[0], _OneRankOfTwo(lses[1]), backend="ag_rs", return_lse=True)
+    _check_merged(merged, merged_lse, [out, torch.zeros_like(out)], lses)
+
+
+def check_stage3_a2a() -> None:
+    """The a2a kernel as rank 0 of 2: the all-to-all stood in by the peer's
+    packed slice (its partial of rank 0's heads, its fp32 LSE as one more column)."""
+    out, peer_out, lses = _stage3_partials()
+    own = slice(0, lses.shape[2] // 2)
+    peer_slice = torch.cat([peer_out[:, own], lses[1, :, own, None]], dim=-1)
+
+    def all_to_all_single(received, send, group):
+        received[0].copy_(send[0])
+        received[1].copy_(peer_slice)
+
+    with mock.patch.object(torch.distributed, "all_to_all_single", all_to_all_single):
+        merged, merged_lse = combine(out, lses[0], _OneRankOfTwo(lses[1]), backend="a2a", return_lse=True)
+    _check_merged(merged, merged_lse, [out, peer_out], lses)
 
 
 def check_stage9() -> None:
@@ -113,7 +142,12 @@ def check_stage9() -> None:
     assert counts.tolist() == expected_counts.tolist()
 
 
-CHECKS = {"stage1": check_stage1, "stage3": check_stage3, "stage9": check_stage9}
+CHECKS = {
+    "stage1": check_stage1,
+    "stage3-ag_rs": check_stage3_ag_rs,
+    "stage3-a2a": check_stage3_a2a,
+    "stage9": check_stage9,
+}
 
 
 def run_checks() -> None:
