@@ -11,7 +11,7 @@ command line (it lists the longest first), and each realistic GPU file is
 split by W (at W <= 2, where each rank's share of a case is largest, by DeepSeek
 model too), so that its parts run side by side (each part still builds its
 scenarios once, on one worker; the memory-heavy W = 4 and W = 8 parts stay
-one each).
+one each); so are the two longest multi-W files (``SPREAD_BY_W``).
 
 The groups are chosen here, by path, in the scheduler: xdist 3.8's own
 ``loadgroup`` marks its groups in the legacy ``_nodeid``, which pytest 9.2
@@ -27,6 +27,9 @@ import pytest
 
 GPU_PREFIX = "tests/gpu/"
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
+# Spread, also split by W: on one H200 each of these took longer than any
+# other group (its pool restarts or its W = 8 traces), so it set the wall time.
+SPREAD_BY_W = ("tests/selftest/test_rank_failures.py", "tests/e2e/test_serving_trace.py")
 
 
 # Files handed out first, in this order: the longest on 2 CPU cores (their
@@ -54,9 +57,11 @@ def handed_out_first(group: str) -> int:
 
 def spread_group(nodeid: str) -> str:
     path = file_of(nodeid)
+    world = re.search(r"\[W(\d+)", nodeid)
+    if path in SPREAD_BY_W and world:
+        return f"{path} W{world.group(1)}"
     if not path.startswith(GPU_PREFIX):
         return path
-    world = re.search(r"\[W(\d+)", nodeid)
     if world and int(world.group(1)) >= 4:
         return f"{path} W{world.group(1)}"
     model = re.search(r"-(v4\.\d)[-\]]", nodeid)
