@@ -47,7 +47,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOPK_TILE = 128  # top-k entries per loop step of the index kernels
 TOKENS_PER_PROGRAM = 256 if INTERPRETED else 16  # rows per program of the index kernels
 POSITIONS_PER_PROGRAM = 4096 if INTERPRETED else 1024  # positions per program of the write side
-COMBINE_TILE_ELEMENTS = (1 << 19) if INTERPRETED else (1 << 12)  # elements per program of the combine
+COMBINE_TILE_ELEMENTS = (1 << 19) if INTERPRETED else (1 << 12)  # elements of a combine program's widest tile
 # Rows per block of sparse_attention (torch): bounds its fp32 temporaries on a
 # GPU; small under the interpreter so that the test shapes cross blocks too.
 ATTENTION_TOKENS_PER_BLOCK = 32 if INTERPRETED else 1024
