@@ -29,7 +29,10 @@ from pathlib import Path
 # What a frame's function is, from py-spy's "function (path:line)".
 NESTED_JIT_CALL = "InterpretedFunction.__call__"  # a @triton.jit function called from a kernel
 KERNEL_LAUNCH = "GridExecutor.__call__"  # one launch: its body runs once per program instance
-PATCH_LANG = "_patch_lang"  # the interpreter swaps triton.language for its own, at each call of either
+# The interpreter swaps triton.language for its own, at each call of either;
+# dcpcheck's shortcut (dcpcheck/interpreter_patching.py) stands in front of it.
+PATCH_LANG = ("_patch_lang", "patch_lang_once")
+SHORTCUT_FILE = "dcpcheck/interpreter_patching.py"
 CASE_FRAMES = ("run_rank_case", "pytest_runtest_call", "pytest_runtest_setup")
 IMPORT_FRAME = "_find_and_load"
 PROCESS_FRAME = re.compile(r'process \d+:"(.*?)"(?=;|$)')  # py-spy --subprocesses: one per process, outermost first
@@ -79,9 +82,9 @@ class Frames:
         return name in self.names
 
 
-def _calls(frames: Frames, caller: str, callee: str) -> bool:
-    """``caller`` calls ``callee`` directly somewhere in the stack."""
-    return any(a == caller and b == callee for a, b in zip(frames.names, frames.names[1:]))
+def _calls(frames: Frames, caller: str, callees: tuple[str, ...]) -> bool:
+    """``caller`` calls one of ``callees`` directly somewhere in the stack."""
+    return any(a == caller and b in callees for a, b in zip(frames.names, frames.names[1:]))
 
 
 def _in_file(frames: Frames, part: str) -> bool:
@@ -89,8 +92,11 @@ def _in_file(frames: Frames, part: str) -> bool:
 
 
 def _is_library(path: str) -> bool:
-    """Triton's own code or the standard library's (py-spy shows a stdlib module by its file name alone)."""
-    return "triton/" in path or ("/" not in path and Path(path).stem in sys.stdlib_module_names)
+    """Triton's own code, dcpcheck's shortcut through it, or the standard library's
+    (py-spy shows a stdlib module by its file name alone)."""
+    return (
+        "triton/" in path or SHORTCUT_FILE in path or ("/" not in path and Path(path).stem in sys.stdlib_module_names)
+    )
 
 
 def _kernel_of(frames: Frames) -> str | None:

@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from dcpcheck.impls.protocol import CAPABILITIES
+from dcpcheck.interpreter_patching import patch_language_once_per_launch
 
 
 class ImplSpecError(ValueError):
@@ -122,6 +123,14 @@ def _built_in(spec: str, build):
 @cache
 def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
+    impl = _load(spec)
+    # Every process that runs an implementation loads it here first, after
+    # triton's interpreter mode is chosen (TRITON_INTERPRET is read at import).
+    patch_language_once_per_launch()
+    return impl
+
+
+def _load(spec: str):
     if spec in BUILTIN:
         return _built_in(spec, BUILTIN[spec])
     if spec == "dsv41" or spec.startswith("dsv41:"):

@@ -37,7 +37,7 @@ def _topk(num_tokens: int, num_states: int) -> torch.Tensor:
     return ids.masked_fill(torch.rand(ids.shape, generator=generator) < 0.2, -1)
 
 
-def check_stage1() -> None:
+def check_stage1() -> tuple[torch.Tensor, ...]:
     num_tokens, num_states = 5, 400
     topk = _topk(num_tokens, num_states)
     token_to_req = torch.tensor([0, 1, 0, 1, 1])
@@ -62,6 +62,7 @@ def check_stage1() -> None:
         written.tolist()
         == write_slot_mapping(positions, to_req, block_table, rho=4, bs=BS, S=INTERLEAVE, W=WORLD, r=RANK).tolist()
     )
+    return slots, counts, written
 
 
 class _OneRankOfTwo:
@@ -95,20 +96,21 @@ def _stage3_partials():
     return out, peer_out, lses
 
 
-def _check_merged(merged, merged_lse, outs, lses) -> None:
+def _check_merged(merged, merged_lse, outs, lses) -> tuple[torch.Tensor, ...]:
     expected, expected_lse = merge_partials(torch.stack(outs), lses)
     own = slice(0, lses.shape[2] // 2)
     torch.testing.assert_close(merged.double(), expected[:, own], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged_lse.double(), expected_lse[:, own], rtol=1e-5, atol=1e-5)
+    return merged, merged_lse
 
 
-def check_stage3_ag_rs() -> None:
+def check_stage3_ag_rs() -> tuple[torch.Tensor, ...]:
     out, _, lses = _stage3_partials()
     merged, merged_lse = combine(out, lses[0], _OneRankOfTwo(lses[1]), backend="ag_rs", return_lse=True)
-    _check_merged(merged, merged_lse, [out, torch.zeros_like(out)], lses)
+    return _check_merged(merged, merged_lse, [out, torch.zeros_like(out)], lses)
 
 
-def check_stage3_a2a() -> None:
+def check_stage3_a2a() -> tuple[torch.Tensor, ...]:
     """The a2a kernel as rank 0 of 2: the all-to-all stood in by the peer's
     packed slice (its partial of rank 0's heads, its fp32 LSE as one more column)."""
     out, peer_out, lses = _stage3_partials()
@@ -121,10 +123,10 @@ def check_stage3_a2a() -> None:
 
     with mock.patch.object(torch.distributed, "all_to_all_single", all_to_all_single):
         merged, merged_lse = combine(out, lses[0], _OneRankOfTwo(lses[1]), backend="a2a", return_lse=True)
-    _check_merged(merged, merged_lse, [out, peer_out], lses)
+    return _check_merged(merged, merged_lse, [out, peer_out], lses)
 
 
-def check_stage9() -> None:
+def check_stage9() -> tuple[torch.Tensor, ...]:
     seq_lens = torch.tensor([900, 500])
     rho = 2
     geometry = prefill_geometry(seq_lens, rho=rho, bs=BS, world_size=WORLD)
@@ -140,8 +142,10 @@ def check_stage9() -> None:
     )
     assert slots.tolist() == expected.tolist()
     assert counts.tolist() == expected_counts.tolist()
+    return slots, counts
 
 
+# Each check asserts against the oracle and returns the kernels' outputs.
 CHECKS = {
     "stage1": check_stage1,
     "stage3-ag_rs": check_stage3_ag_rs,
