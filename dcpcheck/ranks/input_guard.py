@@ -90,7 +90,7 @@ def _checkable(value) -> bool:
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """A float tensor as integers of its size (NaN equals NaN bit for bit); any other tensor as it is."""
     as_int = _INT_OF_SIZE.get(tensor.element_size())
     return tensor.view(as_int) if tensor.is_floating_point() and as_int is not None else tensor
@@ -101,7 +101,7 @@ def _changed_elements(before: torch.Tensor, after: torch.Tensor) -> str | None:
     after = after.detach()
     if after.shape != before.shape:
         return f"resized from {list(before.shape)} to {list(after.shape)}"
-    if torch.equal(_bits(before), _bits(after)):  # the common case, in one pass, NaNs included
+    if torch.equal(as_bits(before), as_bits(after)):  # the common case, in one pass, NaNs included
         return None
     differ = before != after
     if before.is_floating_point() or before.is_complex():

@@ -1,6 +1,7 @@
 """``tools/cpu_profile.py`` sorts py-spy's samples into kinds of work, by
 process and per interpreted kernel (nested @triton.jit calls' re-patching
-apart, with or without dcpcheck's shortcut in front of it), and refuses a missing sample file with what it accepts."""
+apart, with or without dcpcheck's shortcut in front of it), and refuses a
+missing sample file with what it accepts."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import triton
 
 from dcpcheck.interpreter_patching import PATCHED_VERSIONS, patch_language_once_per_launch
 from dcpcheck.port.triton_env import INTERPRETED
+from dcpcheck.ranks.input_guard import as_bits
 from tests.selftest.test_interpreter_kernels import CHECKS, check_stage1
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to run the kernels under the interpreter")
@@ -41,10 +42,9 @@ def as_shipped(shortcut):
         yield
 
 
-def _patched_for(owner, run) -> Counter:
-    """How often ``run()`` has Triton patch the language for each function: calls of
-    Triton's own ``_patch_lang``, held as ``owner.patch_lang`` or ``owner._patch_lang``."""
-    name = "patch_lang" if hasattr(owner, "patch_lang") else "_patch_lang"
+def _patched_for(owner, name: str, run) -> Counter:
+    """How often ``run()`` has Triton patch the language for each function: the
+    calls of Triton's own ``_patch_lang``, held as ``owner.<name>``."""
     with mock.patch.object(owner, name, wraps=getattr(owner, name)) as patch_lang:
         run()
     return Counter(f"{call.args[0].__module__}.{call.args[0].__name__}" for call in patch_lang.call_args_list)
@@ -57,9 +57,9 @@ def test_a_port_helper_called_in_a_launch_does_not_patch_the_language_again(shor
     from triton.runtime import interpreter
 
     with as_shipped(shortcut):
-        shipped = _patched_for(interpreter, check_stage1)
+        shipped = _patched_for(interpreter, "_patch_lang", check_stage1)
     assert all(shipped[helper] > 1 for helper in helpers), f"as shipped: {dict(shipped)}"
-    patched = _patched_for(shortcut, check_stage1)
+    patched = _patched_for(shortcut, "patch_lang", check_stage1)
     assert {name: count for name, count in patched.items() if name.startswith("dcpcheck.")} == kernels, (
         f"with the shortcut: {dict(patched)}"
     )
@@ -71,6 +71,6 @@ def test_outputs_are_bitwise_those_of_the_interpreter_as_shipped(stage, shortcut
     with as_shipped(shortcut):
         shipped = CHECKS[stage]()
     for index, (got, expected) in enumerate(zip(outputs, shipped, strict=True)):
-        assert torch.equal(got.nan_to_num(), expected.nan_to_num()) and torch.equal(got.isnan(), expected.isnan()), (
+        assert torch.equal(as_bits(got), as_bits(expected)), (
             f"{stage} output {index} differs from the interpreter as shipped"
         )
