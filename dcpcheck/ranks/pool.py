@@ -36,10 +36,11 @@ from dcpcheck.ranks.messages import (
     ZygoteHello,
 )
 from dcpcheck.ranks.placement import Placement
-from dcpcheck.ranks.procstate import describe_process, process_state_letter
+from dcpcheck.ranks.procstate import describe_exit, describe_process, process_state_letter
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
 from dcpcheck.ranks.reaper import kill_tree
 from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
+from dcpcheck.ranks.zygote_server import ForkedZygote, ZygoteServerGone, ZygoteServers
 
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
@@ -57,16 +58,6 @@ class RankGoneBeforeCase(Exception):
         self.rank, self.how = rank, how
 
 
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "unknown signal"
-        return f"killed by signal {name} ({-returncode})"
-    return f"exited with code {returncode}"
-
-
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log, at most MAX_ERROR_CHARS of them (a
     rank may print megabytes on one line)."""
@@ -80,14 +71,23 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class RankPool:
-    def __init__(self, placement: Placement, *, impl_spec: str, startup_timeout: float, collective_timeout: float):
+    def __init__(
+        self,
+        placement: Placement,
+        *,
+        impl_spec: str,
+        startup_timeout: float,
+        collective_timeout: float,
+        zygotes: ZygoteServers,
+    ):
         self.placement = placement
         self.world_size = placement.world_size
         self.device = placement.device_type
         self.impl_spec = impl_spec
         self.startup_timeout = startup_timeout
         self.collective_timeout = collective_timeout
-        self.zygote: subprocess.Popen | None = None
+        self.zygotes = zygotes
+        self.zygote: ForkedZygote | None = None
         self.zygote_conn: Connection | None = None
         self.conns: dict[int, Connection] = {}
         self.pids: dict[int, int] = {}
@@ -103,11 +103,11 @@ class RankPool:
         """No process of the pool has exited, and no rank's connection is
         readable: between cases a rank sends nothing, so one that is has hung up."""
         self._collect_exits()
-        if self.zygote is None or self.zygote.poll() is not None or self.exit_codes:
-            return False
         try:
+            if self.zygote is None or self.zygote.poll() is not None or self.exit_codes:
+                return False
             return not any(conn.poll(0) for conn in self.conns.values())
-        except OSError:
+        except (OSError, ZygoteServerGone):
             return False
 
     def _log(self, rank: int) -> Path:
@@ -145,8 +145,7 @@ class RankPool:
         server.bind(str(self.tmpdir / "sock"))
         server.listen(self.world_size + 1)
         server.settimeout(0.2)
-        cmd = [
-            sys.executable, "-m", "dcpcheck.ranks.worker",
+        argv = [
             "--socket", str(self.tmpdir / "sock"),
             "--store", str(self.tmpdir / "store"),
             "--tmpdir", str(self.tmpdir),
@@ -155,16 +154,13 @@ class RankPool:
             "--gpus", str(self.placement.gpus),
             "--impl", self.impl_spec,
             "--collective-timeout", str(self.collective_timeout),
-            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         try:
-            with open(self.tmpdir / "zygote.log", "w") as log:
-                # A new process group: the ranks it forks inherit it, so one
-                # killpg ends them all.
-                self.zygote = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=self._worker_env(), process_group=0,
-                )  # fmt: skip
+            # In a process group of its own: the ranks it forks inherit it, so one killpg ends them all.
+            try:
+                self.zygote = self.zygotes.fork(argv, environ=self._worker_env(), log=str(self.tmpdir / "zygote.log"))
+            except ZygoteServerGone as exc:
+                self._startup_failed(started, "fork", [str(exc)])
             self._handshake(server, started)
         finally:
             server.close()
@@ -222,7 +218,10 @@ class RankPool:
     def _check_started(self, started: float, phase: str) -> None:
         """Raise LaunchError when a pool process exited or start-up took too long."""
         self._collect_exits()
-        zygote_code = self.zygote.poll()
+        try:
+            zygote_code = self.zygote.poll()
+        except ZygoteServerGone as exc:
+            self._startup_failed(started, phase, [str(exc)])
         what = [self._describe_start_exit(rank, code) for rank, code in sorted(self.exit_codes.items())]
         if zygote_code is not None:
             what.append(f"the zygote {describe_exit(zygote_code)}")
@@ -273,7 +272,7 @@ class RankPool:
                 pass
         try:
             self.zygote.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, ZygoteServerGone):
             pass
         self.kill()
 
@@ -287,7 +286,10 @@ class RankPool:
                 os.killpg(self.zygote.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.zygote.wait()
+            try:
+                self.zygote.wait()
+            except ZygoteServerGone:
+                pass  # the server's death ended the zygote, and init reaped it
             self.zygote = None
         for conn in list(self.conns.values()) + [self.zygote_conn]:
             if conn is not None:
@@ -377,7 +379,15 @@ class RankPool:
     def _death(self, rank: int) -> str:
         self._await_exit(rank)
         how = describe_exit(self.exit_codes[rank]) if rank in self.exit_codes else "closed its connection"
-        return f"{how}\n--- rank {rank} log (tail) ---\n{_tail(self._log(rank))}"
+        return f"{how}{self._zygote_fate()}\n--- rank {rank} log (tail) ---\n{_tail(self._log(rank))}"
+
+    def _zygote_fate(self) -> str:
+        """Why the zygote did not report a rank's exit: it ended, or its server did; else nothing."""
+        try:
+            code = self.zygote.poll()
+        except ZygoteServerGone as gone:
+            return f"; {gone}"
+        return "" if code is None else f"; the zygote {describe_exit(code)}"
 
     def dump_stacks(self, ranks: list[int]) -> dict:
         """The Python stacks of ``ranks``, read through faulthandler; a

@@ -1,7 +1,9 @@
-"""What a process is doing, read from ``/proc``, for failure messages about
-a rank that does not answer."""
+"""What a process is doing, read from ``/proc``, or how it ended, for failure
+messages about a process that does not answer."""
 
 from __future__ import annotations
+
+import signal
 
 # /proc/<pid>/stat state letters, as a failure message says them.
 STATES = {
@@ -30,3 +32,14 @@ def describe_process(pid: int) -> str:
     if letter is None:
         return f"(pid {pid}) has ended"
     return f"(pid {pid}) " + STATES.get(letter, f"is in state {letter!r}")
+
+
+def describe_exit(returncode: int) -> str:
+    """A ``Popen.returncode`` in words: negative is the signal that killed the process."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {name} ({-returncode})"
+    return f"exited with code {returncode}"

@@ -5,7 +5,8 @@ A pool is started by the first case of its world size and reused by the next
 ones; a case that leaves ranks stuck or dead gets the pool killed (its process
 group is broken), so the next case of that world size starts a fresh one, as
 it does when a rank died between cases; :meth:`SpawnedRanks.stop` ends every
-pool at the end of the session.
+pool at the end of the session, then the zygote servers the pools were
+forked from.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from collections.abc import Callable
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
+from dcpcheck.ranks.zygote_server import ZygoteServers
+
+# What every zygote imports before it forks its ranks: imported once, by the
+# zygote server it is forked from (dcpcheck/ranks/zygote_server.py).
+ZYGOTE_PRELOAD = ["torch.distributed"]
 
 
 class SpawnedRanks:
@@ -26,6 +32,7 @@ class SpawnedRanks:
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
+        self.zygotes = ZygoteServers(ZYGOTE_PRELOAD, startup_timeout)
         # world size -> why its pool could not start: not tried again in this
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
@@ -48,6 +55,7 @@ class SpawnedRanks:
             impl_spec=self.impl_spec,
             startup_timeout=self.startup_timeout,
             collective_timeout=self.collective_timeout,
+            zygotes=self.zygotes,
         )
         self.pools[world_size] = pool
         try:
@@ -99,3 +107,4 @@ class SpawnedRanks:
         for pool in self.pools.values():
             pool.stop()
         self.pools.clear()
+        self.zygotes.stop()  # after the pools: a server's death ends every pool it forked

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dcpcheck.ranks.procstate import process_state_letter
+from tests.selftest.hostile import parent_of
 from tests.selftest.inner import inner_env, start_inner_pytest, write_session
 from tests.selftest.processes import GIL_SPINNING_TESTS, alive, pool_dir_of, start_spinning_session, wait_until
 
@@ -34,11 +35,13 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopp
     ranks = [int(m.read_text()) for m in markers]
     started = [int(pid) for rank in range(2) for pid in Path(f"{pid_file}.{rank}").read_text().split()]
     pool_dir = pool_dir_of(ranks[0])
-    assert all(map(alive, ranks + started))
+    zygote_server = parent_of(parent_of(ranks[0]))
+    assert all(map(alive, ranks + started + [zygote_server]))
     assert wait_until(lambda: process_state_letter(ranks[1]) == "T", 10)
     os.kill(proc.pid, sig)
     proc.communicate(timeout=30)
-    assert wait_until(lambda: not any(map(alive, ranks + started)), 10), [p for p in ranks + started if alive(p)]
+    left = ranks + started + [zygote_server]
+    assert wait_until(lambda: not any(map(alive, left)), 10), [p for p in left if alive(p)]
     assert wait_until(lambda: not pool_dir.exists(), 10), f"{pool_dir} is left"
 
 

@@ -1,0 +1,280 @@
+"""Pool zygotes forked from one process that imported torch once.
+
+A pool's zygote (:mod:`dcpcheck.ranks.worker`) used to be a fresh
+interpreter that imported torch before it forked its ranks: seconds of CPU
+for every pool, and a session starts many (every world size, and a fresh
+pool after each case that leaves one broken). Here one *server* per
+environment (``python -m dcpcheck.ranks.zygote_server``) imports torch once
+and forks each zygote on request; from there the zygote runs exactly as if
+it had been spawned (its own process group, its log, its ``sys.argv``, the
+environment and working directory of the request).
+
+The process tree stays bounded: the server gets the kernel's parent-death
+signal when pytest dies and its zygotes get theirs when the server dies
+(:func:`dcpcheck.ranks.reaper.die_with_parent`), and a zygote that gets it
+ends its pool. The server reaps its zygotes, so pytest learns how one exited
+by asking (:class:`ForkedZygote` answers as much of ``subprocess.Popen`` as a
+pool uses). A server lives until :meth:`ZygoteServers.stop`, since its death
+ends every pool it forked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from dcpcheck.ranks.launcher import LaunchError
+from dcpcheck.ranks.procstate import describe_exit
+from dcpcheck.ranks.reaper import die_with_parent
+
+PARENT_DEATH_SIGNAL = signal.SIGTERM  # the server's default action: end at once, and its zygotes get theirs
+STOP_WAIT_S = 10.0  # at most, for a server to exit once its connection is closed
+# Set by pytest for each test phase; a zygote gets the current value, but a
+# change in it needs no new server.
+PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+
+
+@dataclass(frozen=True)
+class ServerReady:
+    """The server's first message: it imported what every zygote needs."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ForkZygote:
+    """Fork a zygote that runs ``dcpcheck.ranks.worker`` with ``argv`` (less
+    ``--parent-pid``: the server's), in ``cwd``, under ``environ``, its output to ``log``."""
+
+    argv: list[str]
+    cwd: str
+    environ: dict[str, str]
+    log: str
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """How zygote ``pid`` exited (as ``Popen.returncode``), waiting at most
+    ``timeout`` seconds (``None``: until it does); ``None`` while it runs."""
+
+    pid: int
+    timeout: float | None
+
+
+class ZygoteServerGone(LaunchError):
+    """The server ended, and with it every zygote it forked."""
+
+
+# ---- the server ---------------------------------------------------------------
+
+
+def _run_zygote(request: ForkZygote, parent_pid: int) -> int:
+    """In the forked child: become the zygote a spawn would have started."""
+    from dcpcheck.ranks import worker
+
+    os.setpgid(0, 0)  # its own process group, as the pool's killpg expects
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.environ)
+    log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    argv = [*request.argv, "--parent-pid", str(parent_pid)]
+    sys.argv = [worker.__file__, *argv]  # what `python -m dcpcheck.ranks.worker` shows an implementation
+    return worker.main(argv)
+
+
+def _fork_zygote(request: ForkZygote, conn: Connection) -> int:
+    server_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            conn.close()
+            code = _run_zygote(request, server_pid)
+        except BaseException:  # noqa: BLE001 - a forked child must never return into the server's loop
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # here too, so the group exists before pytest can signal it
+    except (PermissionError, ProcessLookupError):
+        pass  # it already did (and may have exited)
+    return pid
+
+
+def _exit_code(pid: int, timeout: float | None, reaped: dict[int, int]) -> int | None:
+    if pid not in reaped:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+            if done:
+                reaped[pid] = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+    return reaped[pid]
+
+
+def serve(conn: Connection, preload: list[str]) -> int:
+    for module in preload:
+        __import__(module)
+    conn.send(ServerReady(os.getpid()))
+    reaped: dict[int, int] = {}
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # pytest is done with it
+            return 0
+        if isinstance(request, ForkZygote):
+            conn.send(_fork_zygote(request, conn))
+        else:
+            conn.send(_exit_code(request.pid, request.timeout, reaped))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True, help="this end of the connection to pytest")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--preload", nargs="*", default=[], help="modules every zygote needs")
+    args = parser.parse_args(argv)
+    die_with_parent(PARENT_DEATH_SIGNAL, args.parent_pid)
+    return serve(Connection(args.fd), args.preload)
+
+
+# ---- pytest's side ------------------------------------------------------------
+
+
+class ZygoteServer:
+    """One server process, started with ``environ``; ``startup_timeout``
+    bounds its start-up (its imports)."""
+
+    def __init__(self, environ: dict[str, str], preload: list[str], startup_timeout: float):
+        started = time.perf_counter()
+        ours, theirs = socket.socketpair()
+        command = [
+            sys.executable, "-m", "dcpcheck.ranks.zygote_server", "--fd", str(theirs.fileno()),
+            "--parent-pid", str(os.getpid()), "--preload", *preload,
+        ]  # fmt: skip
+        # Its own process group, like the zygotes': a Ctrl-C reaches pytest, which ends its pools itself.
+        self.process = subprocess.Popen(
+            command, env=environ, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
+        )  # fmt: skip
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        while not self.conn.poll(0.2):
+            if self.process.poll() is not None or time.perf_counter() - started > startup_timeout:
+                self.stop()
+                raise ZygoteServerGone(
+                    f"the zygote server did not start within {time.perf_counter() - started:.1f} s "
+                    f"(--dcp-startup-timeout {startup_timeout:g} s): {self._exit()}"
+                )
+        try:
+            self.conn.recv()
+        except (EOFError, OSError):
+            self.stop()
+            raise ZygoteServerGone(f"the zygote server ended while it started: {self._exit()}") from None
+
+    def _exit(self) -> str:
+        """How the server ended, with what it printed."""
+        code = self.process.poll()
+        output = self.process.stdout.read().decode(errors="replace").strip() if code is not None else ""
+        how = "is still running" if code is None else describe_exit(code)
+        return how + (f"\n--- zygote server output ---\n{output}" if output else "")
+
+    def _ask(self, request):
+        try:
+            self.conn.send(request)
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.wait()
+            raise ZygoteServerGone(
+                f"the zygote server (pid {self.process.pid}) ended, and every pool it forked with it: {self._exit()}"
+            ) from None
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, argv: list[str], *, environ: dict[str, str], log: str) -> ForkedZygote:
+        pid = self._ask(ForkZygote(argv, os.getcwd(), environ, log))
+        return ForkedZygote(self, pid)
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        return self._ask(ExitCode(pid, timeout))
+
+    def stop(self) -> None:
+        """Close its connection (it exits), kill it if it does not."""
+        self.conn.close()
+        try:
+            self.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+
+
+class ForkedZygote:
+    """A zygote the server forked, seen as ``subprocess.Popen`` shows a child:
+    ``pid``, ``poll()``, ``wait(timeout)``, ``returncode``. Once the server is
+    gone they raise :class:`ZygoteServerGone`."""
+
+    def __init__(self, server: ZygoteServer, pid: int):
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
+        return self.returncode
+
+
+class ZygoteServers:
+    """The session's servers, one per environment a pool asks for."""
+
+    def __init__(self, preload: list[str], startup_timeout: float):
+        self.preload, self.startup_timeout = preload, startup_timeout
+        self.servers: dict[frozenset, ZygoteServer] = {}
+
+    def fork(self, argv: list[str], *, environ: dict[str, str], log: str) -> ForkedZygote:
+        key = frozenset((name, value) for name, value in environ.items() if name not in PER_TEST_VARIABLES)
+        server = self.servers.get(key)
+        if server is None or not server.alive:
+            if server is not None:
+                server.stop()
+            server = self.servers[key] = ZygoteServer(environ, self.preload, self.startup_timeout)
+        return server.fork(argv, environ=environ, log=log)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers.clear()
+
+
+if __name__ == "__main__":
+    # As the module, not __main__: the messages pickle under one name on both sides.
+    from dcpcheck.ranks import zygote_server
+
+    sys.exit(zygote_server.main())

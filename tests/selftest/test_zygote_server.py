@@ -1,0 +1,57 @@
+"""Pools are forked from one zygote server per session (``dcpcheck/ranks/zygote_server.py``):
+a zygote runs as a spawned one would, a fresh pool costs no new torch import,
+and a server that dies ends its pools and is replaced."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.selftest.hostile import kill_the_zygote_server, parent_of
+from tests.selftest.rank_functions import kill_rank, sum_of_ranks
+
+pytestmark = [pytest.mark.spawned_only, pytest.mark.world_sizes(2)]
+
+
+def where_forked(ctx) -> dict:
+    """What this rank's zygote was started with, and what started it."""
+    zygote = os.getppid()
+    server = parent_of(zygote)
+    return {
+        "zygote": zygote,
+        "server": server,
+        "server command": Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ").decode(),
+        "argv0": sys.argv[0],
+        "cwd": os.getcwd(),
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "process group": os.getpgid(0) == zygote,
+    }
+
+
+def test_a_fresh_pool_is_forked_from_the_same_server_and_runs_as_a_spawned_zygote(dcp):
+    first = dcp.run(where_forked)[0]
+    with pytest.raises(pytest.fail.Exception):
+        dcp.run(kill_rank, bad_rank=1, timeout=5)  # its pool is dead: the next case gets a fresh one
+    second = dcp.run(where_forked)[0]
+    assert second["zygote"] != first["zygote"], "the pool was not replaced"
+    assert second["server"] == first["server"], f"a new server for a fresh pool: {first} then {second}"
+    assert "dcpcheck.ranks.zygote_server" in second["server command"], second
+    assert second["argv0"].endswith(os.path.join("dcpcheck", "ranks", "worker.py")), second
+    assert second["cwd"] == os.getcwd(), second
+    assert "test_a_fresh_pool_is_forked_from_the_same_server" in second["test"], second  # this test's, not the server's
+    assert second["process group"], "the zygote does not lead its pool's process group"
+
+
+def test_a_killed_server_ends_its_pool_and_the_next_case_gets_a_new_one(dcp):
+    server = dcp.run(where_forked)[0]["server"]
+    with pytest.raises(pytest.fail.Exception) as failure:
+        dcp.run(kill_the_zygote_server, timeout=20)
+    message = str(failure.value)
+    assert "timed out" not in message, f"the pool outlived its server until the case timed out: {message}"
+    assert f"the zygote server (pid {server}) ended, and every pool it forked with it" in message, message
+    assert "killed by signal SIGKILL (9)" in message, message
+    assert dcp.run(sum_of_ranks) == [3.0, 3.0]
+    assert dcp.run(where_forked)[0]["server"] != server
