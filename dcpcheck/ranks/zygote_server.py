@@ -177,34 +177,30 @@ class ZygoteServer:
         )  # fmt: skip
         theirs.close()
         self.conn = Connection(ours.detach())
-        while not self.conn.poll(0.2):
-            if self.process.poll() is not None or time.perf_counter() - started > startup_timeout:
+        self.ending: str | None = None  # how it ended, once it has
+        while not self.conn.poll(0.2):  # its ready message, or the end of its connection
+            if time.perf_counter() - started > startup_timeout:
+                self.process.kill()  # stuck in its imports: nothing to wait for
                 self.stop()
                 raise ZygoteServerGone(
-                    f"the zygote server did not start within {time.perf_counter() - started:.1f} s "
-                    f"(--dcp-startup-timeout {startup_timeout:g} s): {self._exit()}"
+                    f"the zygote server did not start within --dcp-startup-timeout {startup_timeout:g} s: {self.ending}"
                 )
         try:
             self.conn.recv()
         except (EOFError, OSError):
             self.stop()
-            raise ZygoteServerGone(f"the zygote server ended while it started: {self._exit()}") from None
-
-    def _exit(self) -> str:
-        """How the server ended, with what it printed."""
-        code = self.process.poll()
-        output = self.process.stdout.read().decode(errors="replace").strip() if code is not None else ""
-        how = "is still running" if code is None else describe_exit(code)
-        return how + (f"\n--- zygote server output ---\n{output}" if output else "")
+            raise ZygoteServerGone(
+                f"the zygote server ended while it started, after {time.perf_counter() - started:.1f} s: {self.ending}"
+            ) from None
 
     def _ask(self, request):
         try:
             self.conn.send(request)
             return self.conn.recv()
         except (EOFError, OSError):
-            self.process.wait()
+            self.stop()
             raise ZygoteServerGone(
-                f"the zygote server (pid {self.process.pid}) ended, and every pool it forked with it: {self._exit()}"
+                f"the zygote server (pid {self.process.pid}) ended, and every pool it forked with it: {self.ending}"
             ) from None
 
     @property
@@ -219,14 +215,20 @@ class ZygoteServer:
         return self._ask(ExitCode(pid, timeout))
 
     def stop(self) -> None:
-        """Close its connection (it exits), kill it if it does not."""
+        """Close its connection (it exits), kill it if it does not; note how it ended."""
+        if self.ending is not None:
+            return
         self.conn.close()
         try:
             self.process.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        output = self.process.stdout.read().decode(errors="replace").strip()
         self.process.stdout.close()
+        self.ending = describe_exit(self.process.returncode)
+        if output:
+            self.ending += f"\n--- zygote server output ---\n{output}"
 
 
 class ForkedZygote:

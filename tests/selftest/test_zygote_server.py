@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from dcpcheck.ranks.zygote_server import ZygoteServer, ZygoteServerGone
 from tests.selftest.hostile import kill_the_zygote_server, parent_of
 from tests.selftest.rank_functions import kill_rank, sum_of_ranks
-
-pytestmark = [pytest.mark.spawned_only, pytest.mark.world_sizes(2)]
 
 
 def where_forked(ctx) -> dict:
@@ -31,6 +30,14 @@ def where_forked(ctx) -> dict:
     }
 
 
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(1)
+def test_a_pool_of_one_rank_starts_before_the_server_is_killed(dcp):
+    assert dcp.run(sum_of_ranks) == [1.0]
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
 def test_a_fresh_pool_is_forked_from_the_same_server_and_runs_as_a_spawned_zygote(dcp):
     first = dcp.run(where_forked)[0]
     with pytest.raises(pytest.fail.Exception):
@@ -45,6 +52,8 @@ def test_a_fresh_pool_is_forked_from_the_same_server_and_runs_as_a_spawned_zygot
     assert second["process group"], "the zygote does not lead its pool's process group"
 
 
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
 def test_a_killed_server_ends_its_pool_and_the_next_case_gets_a_new_one(dcp):
     server = dcp.run(where_forked)[0]["server"]
     with pytest.raises(pytest.fail.Exception) as failure:
@@ -55,3 +64,28 @@ def test_a_killed_server_ends_its_pool_and_the_next_case_gets_a_new_one(dcp):
     assert "killed by signal SIGKILL (9)" in message, message
     assert dcp.run(sum_of_ranks) == [3.0, 3.0]
     assert dcp.run(where_forked)[0]["server"] != server
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(1)
+def test_a_pool_the_killed_server_forked_for_another_world_size_is_replaced_too(dcp):
+    assert dcp.run(sum_of_ranks) == [1.0]
+
+
+def _server(tmp_path, module: str, source: str, startup_timeout: float = 60.0) -> str:
+    (tmp_path / f"{module}.py").write_text(source)
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    with pytest.raises(ZygoteServerGone) as gone:
+        ZygoteServer(environ, [module], startup_timeout)
+    return str(gone.value)
+
+
+def test_a_server_failing_while_it_starts_says_why(tmp_path):
+    message = _server(tmp_path, "planted_import_error", "raise ImportError('planted: no torch today')")
+    assert "the zygote server ended while it started, after" in message, message
+    assert "exited with code 1" in message and "ImportError: planted: no torch today" in message, message
+
+
+def test_a_server_stuck_while_it_starts_is_ended_at_the_startup_timeout(tmp_path):
+    message = _server(tmp_path, "planted_hang", "import time\ntime.sleep(600)", startup_timeout=1.0)
+    assert "the zygote server did not start within --dcp-startup-timeout 1 s" in message, message
