@@ -1,16 +1,27 @@
-"""Under Triton's interpreter, patch ``triton.language`` once per launch, not again at each nested call.
+"""Under Triton's interpreter, patch ``triton.language`` once per process, not at every launch and nested call.
 
 Triton 3.9's interpreter (``TRITON_INTERPRET=1``) patches ``triton.language``
-when a kernel launches and restores it when the launch ends. A nested
-``@triton.jit`` call (a helper such as the port's ``owner_and_local``) runs the
-same patching again while the launch's is still in place: it walks every
-member of ``tl``, ``tl.tensor`` and ``tl.math``, finds each builtin already
-wrapped, and re-sets the same closures, a scan costlier than most helpers'
-bodies (``reports/cpu_profile.md``). :func:`patch_language_once_per_launch`
-skips that second pass when the launch has already patched every language
-module the callee sees; every other call goes through Triton's own code. What
-a kernel computes does not change: ``tests/selftest/test_interpreter_patching.py``
-compares every port kernel's outputs with and without it.
+when a kernel launches, restores it when the launch ends, and patches again at
+every nested ``@triton.jit`` call (a port helper, or Triton's own ``tl.sum``,
+``tl.max``, ``tl.cumsum``, ``tl.zeros``): each pass walks every member of
+``tl``, ``tl.tensor`` and ``tl.math`` (``reports/cpu_profile.md``). The patch
+is the same every time: the builtins wrapped to run on the interpreter's one
+builder, Python stand-ins for ``range``, ``reduce`` and the like.
+:func:`patch_language_once_per_process` has Triton's own ``_patch_lang`` patch
+both ``tl`` and ``tl.core`` at the process's first launch and keeps that patch
+for the life of the process: later launches and nested calls patch nothing and
+restore nothing. What a kernel computes does not change:
+``tests/selftest/test_interpreter_patching.py`` compares every port kernel's
+outputs with those of the interpreter as shipped (:meth:`Shortcut.shipped`).
+
+After the first launch ``triton.language`` stays patched outside launches too.
+Nothing compiles under ``TRITON_INTERPRET=1``, and outside kernels neither
+dcpcheck nor the vLLM code it imports calls more of ``tl`` than
+``tl.constexpr``, which is not patched (Triton as shipped also leaves
+``tl.core`` patched once a nested call of its standard library has run). A
+kept patch is also safe between threads, where per-launch restores are not: a
+launch ending in one thread (a case thread of ``dcpcheck.ranks.torchrun`` left
+running at its timeout) could unpatch the language under a launch in another.
 
 Only the Triton versions named in ``PATCHED_VERSIONS`` are patched, those whose
 interpreter was read for this; under any other the interpreter runs as shipped.
@@ -18,74 +29,116 @@ interpreter was read for this; under any other the interpreter runs as shipped.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 PATCHED_VERSIONS = ("3.9.",)
 
 
-class _Launch(threading.local):
-    """The language modules the running launch has patched; ``None`` outside a launch."""
+class _NothingToRestore:
+    """What a launch gets instead of a ``_LangPatchScope``: the language stays patched after it."""
 
-    patched: frozenset | None = None
+    def restore(self) -> None:
+        pass
+
+
+_NOTHING_TO_RESTORE = _NothingToRestore()
 
 
 @dataclass
 class Shortcut:
-    """What :func:`patch_language_once_per_launch` replaced: put these back to run the interpreter as shipped."""
+    """What :func:`patch_language_once_per_process` replaced, and the patch it keeps."""
 
-    launch_kernel: Callable  # triton.runtime.interpreter.GridExecutor.__call__
-    patch_lang: Callable  # triton.runtime.interpreter._patch_lang
+    patch_lang: Callable  # triton.runtime.interpreter._patch_lang as shipped
+    kept: object | None = None  # the process's patch (Triton's _LangPatchScope) once a launch made it
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    seen: set = field(default_factory=set, repr=False)  # functions found to see triton.language
+
+    def patch(self) -> None:
+        """Patch ``tl`` and ``tl.core`` with Triton's own ``_patch_lang``, unless done already."""
+        with self.lock:
+            if self.kept is None:
+                import triton.language as tl
+
+                # _patch_lang reads only its argument's globals: one holding both
+                # modules gets both patched, tl first, as a launch and then a
+                # nested call of Triton's standard library would.
+                both = {"tl": tl, "core": tl.core}
+                self.kept = self.patch_lang(
+                    types.SimpleNamespace(__module__=__name__, __name__="tl_and_tl_core", __globals__=both)
+                )
+
+    @contextlib.contextmanager
+    def shipped(self) -> Iterator[None]:
+        """Run the interpreter as shipped: the kept patch undone, every launch and
+        nested call patching again; afterwards the language as it was before the
+        kept patch (what the shipped run left patched undone too), and the next
+        launch patches it again."""
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        with self.lock:
+            if self.kept is not None:
+                self.kept.restore()
+                self.kept = None
+            # Everything Triton's _patch_lang sets attributes on.
+            targets = (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.condition, tl.core.tensor_descriptor_base)
+            unpatched = [(obj, dict(vars(obj))) for obj in targets]
+            installed, interpreter._patch_lang = interpreter._patch_lang, self.patch_lang
+        try:
+            yield
+        finally:
+            with self.lock:
+                interpreter._patch_lang = installed
+                for obj, attributes in unpatched:
+                    for name in vars(obj).keys() - attributes.keys():
+                        delattr(obj, name)
+                    for name, value in attributes.items():
+                        if vars(obj).get(name) is not value:
+                            setattr(obj, name, value)
 
 
-def _language_modules(fn, tl) -> frozenset:
-    """The modules Triton's ``_patch_lang`` patches for ``fn``: ``tl`` and ``tl.core`` where its globals hold them."""
-    return frozenset(
-        id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)
-    )
+def _sees_language(fn) -> bool:
+    """The check Triton's ``_patch_lang`` makes of a function: its globals hold ``tl`` or ``tl.core``."""
+    import triton.language as tl
+
+    return any(inspect.ismodule(value) and value in (tl, tl.core) for value in fn.__globals__.values())
 
 
-def patch_language_once_per_launch() -> Shortcut | None:
+def patch_language_once_per_process() -> Shortcut | None:
     """Install the shortcut in this process (idempotent); -> what it replaced.
 
-    ``None``, changing nothing, without ``TRITON_INTERPRET=1``, before anything
-    imported triton, or under a Triton version not in ``PATCHED_VERSIONS``."""
+    The language itself is patched at the first launch after this. ``None``,
+    changing nothing, without ``TRITON_INTERPRET=1``, before anything imported
+    triton, or under a Triton version not in ``PATCHED_VERSIONS``."""
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
         return None  # nothing is interpreted, or nothing here imported triton (patching would import it)
     import triton
 
     if not triton.__version__.startswith(PATCHED_VERSIONS):
         return None
-    import triton.language as tl
     from triton.runtime import interpreter
 
     installed = getattr(interpreter, "_dcpcheck_shortcut", None)
     if installed is not None:
         return installed
-    shortcut = Shortcut(interpreter.GridExecutor.__call__, interpreter._patch_lang)
-    launch = _Launch()
+    shortcut = Shortcut(interpreter._patch_lang)
 
-    def call_in_launch(self, *args, **kwargs):
-        outer, launch.patched = launch.patched, frozenset()
-        try:
-            return shortcut.launch_kernel(self, *args, **kwargs)
-        finally:
-            launch.patched = outer
+    def keep_lang_patched(fn):
+        # Triton's check, once per function, with Triton's message.
+        if fn not in shortcut.seen:
+            assert _sees_language(fn), "triton.language must be visible from within jit'd function"
+            shortcut.seen.add(fn)
+        if shortcut.kept is None:
+            shortcut.patch()
+        return _NOTHING_TO_RESTORE
 
-    def patch_lang_once(fn):
-        modules = _language_modules(fn, tl)
-        if launch.patched and modules <= launch.patched:
-            return interpreter._LangPatchScope()  # already patched by this launch: nothing to set or restore
-        scope = shortcut.patch_lang(fn)
-        if launch.patched is not None:
-            launch.patched |= modules
-        return scope
-
-    interpreter.GridExecutor.__call__ = call_in_launch
-    interpreter._patch_lang = patch_lang_once
+    interpreter._patch_lang = keep_lang_patched
     interpreter._dcpcheck_shortcut = shortcut
     return shortcut

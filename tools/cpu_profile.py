@@ -29,9 +29,10 @@ from pathlib import Path
 # What a frame's function is, from py-spy's "function (path:line)".
 NESTED_JIT_CALL = "InterpretedFunction.__call__"  # a @triton.jit function called from a kernel
 KERNEL_LAUNCH = "GridExecutor.__call__"  # one launch: its body runs once per program instance
-# The interpreter swaps triton.language for its own, at each call of either;
-# dcpcheck's shortcut (dcpcheck/interpreter_patching.py) stands in front of it.
-PATCH_LANG = ("_patch_lang", "patch_lang_once")
+# As shipped, the interpreter swaps triton.language for its own at each call of
+# either; dcpcheck's shortcut (dcpcheck/interpreter_patching.py) takes its place
+# and patches once per process: at later calls its frame alone, an O(1) check.
+PATCH_LANG = ("_patch_lang", "keep_lang_patched")
 SHORTCUT_FILE = "dcpcheck/interpreter_patching.py"
 CASE_FRAMES = ("run_rank_case", "pytest_runtest_call", "pytest_runtest_setup")
 IMPORT_FRAME = "_find_and_load"
@@ -62,6 +63,7 @@ KINDS = (
 # Process kinds by their command line, the first that matches.
 PROCESS_KINDS = (
     ("pool zygote and ranks", "dcpcheck.ranks.worker"),
+    ("pool zygote and ranks", "dcpcheck.ranks.zygote_server"),  # zygotes forked from it show its command line
     ("xdist workers", "exec(eval(sys.stdin.readline()))"),  # execnet's bootstrap
     ("inner sessions of self-tests (session probe)", "tests.selftest.session_probe"),
     ("torchrun", "torchrun"),

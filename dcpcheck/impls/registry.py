@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from dcpcheck.impls.protocol import CAPABILITIES
-from dcpcheck.interpreter_patching import patch_language_once_per_launch
+from dcpcheck.interpreter_patching import patch_language_once_per_process
 
 
 class ImplSpecError(ValueError):
@@ -126,7 +126,7 @@ def load_implementation(spec: str):
     impl = _load(spec)
     # Every process that runs an implementation loads it here first, after
     # triton's interpreter mode is chosen (TRITON_INTERPRET is read at import).
-    patch_language_once_per_launch()
+    patch_language_once_per_process()
     return impl
 
 

@@ -1,6 +1,6 @@
 """``tools/cpu_profile.py`` sorts py-spy's samples into kinds of work, by
 process and per interpreted kernel (nested @triton.jit calls' re-patching
-apart, with or without dcpcheck's shortcut in front of it), and refuses a
+apart, with or without dcpcheck's shortcut in its place), and refuses a
 missing sample file with what it accepts."""
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ RAW = "\n".join(
         KERNEL + "InterpretedFunction.__call__ (triton/runtime/interpreter.py:1698);"
         "_patch_lang (triton/runtime/interpreter.py:1349) 2",
         KERNEL + "InterpretedFunction.__call__ (triton/runtime/interpreter.py:1698);"
-        "patch_lang_once (dcpcheck/interpreter_patching.py:80) 1",
+        "keep_lang_patched (dcpcheck/interpreter_patching.py:138) 1",
         KERNEL + "binary_op (triton/runtime/interpreter.py:700) 5",
         LAUNCH + "getfullargspec (inspect.py:1300) 2",
         LAUNCH
-        + "patch_lang_once (dcpcheck/interpreter_patching.py:80);_patch_lang (triton/runtime/interpreter.py:1349) 1",
+        + "keep_lang_patched (dcpcheck/interpreter_patching.py:138);Shortcut.patch (dcpcheck/interpreter_patching.py:73);"
+        "_patch_lang (triton/runtime/interpreter.py:1349) 1",
         RANK + "<module> (dcpcheck/ranks/worker.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 4",
         CASE + "sparse_attention (dcpcheck/oracle/attention.py:40) 2",
         'process 20:"python -m tests.selftest.session_probe cases.json";main (session_probe.py:9) 3',

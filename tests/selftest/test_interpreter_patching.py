@@ -1,19 +1,19 @@
 """dcpcheck's shortcut through Triton's interpreter (``dcpcheck/interpreter_patching.py``):
-a launch patches ``triton.language`` once however many nested ``@triton.jit``
-calls its kernel makes, and every port kernel's outputs are bitwise those of
-the interpreter as shipped."""
+``triton.language`` is patched once per process, at its first launch, and kept
+patched; no later launch or nested ``@triton.jit`` call patches or restores it,
+and every port kernel's outputs are bitwise those of the interpreter as shipped."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from unittest import mock
 
 import pytest
 import torch
 import triton
+import triton.language as tl
 
-from dcpcheck.interpreter_patching import PATCHED_VERSIONS, patch_language_once_per_launch
+from dcpcheck.interpreter_patching import PATCHED_VERSIONS, patch_language_once_per_process
 from dcpcheck.port.triton_env import INTERPRETED
 from dcpcheck.ranks.input_guard import as_bits
 from tests.selftest.test_interpreter_kernels import CHECKS, check_stage1
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to r
 
 @pytest.fixture
 def shortcut():
-    installed = patch_language_once_per_launch()
+    installed = patch_language_once_per_process()
     if installed is None:
         pytest.skip(
             f"triton {triton.__version__}'s interpreter runs as shipped: PATCHED_VERSIONS is {PATCHED_VERSIONS}"
@@ -31,44 +31,59 @@ def shortcut():
     return installed
 
 
-@contextlib.contextmanager
-def as_shipped(shortcut):
+def _language_patching(owner, name: str, run) -> tuple[list, int]:
+    """What ``run()`` has Triton do to the language: the functions its own
+    ``_patch_lang`` (held as ``owner.<name>``) patched it for, and how often
+    its ``_LangPatchScope.restore`` put it back."""
     from triton.runtime import interpreter
 
+    scope = interpreter._LangPatchScope
     with (
-        mock.patch.object(interpreter.GridExecutor, "__call__", shortcut.launch_kernel),
-        mock.patch.object(interpreter, "_patch_lang", shortcut.patch_lang),
+        mock.patch.object(owner, name, wraps=getattr(owner, name)) as patch_lang,
+        mock.patch.object(scope, "restore", autospec=True, side_effect=scope.restore) as restore,
     ):
-        yield
-
-
-def _patched_for(owner, name: str, run) -> Counter:
-    """How often ``run()`` has Triton patch the language for each function: the
-    calls of Triton's own ``_patch_lang``, held as ``owner.<name>``."""
-    with mock.patch.object(owner, name, wraps=getattr(owner, name)) as patch_lang:
         run()
-    return Counter(f"{call.args[0].__module__}.{call.args[0].__name__}" for call in patch_lang.call_args_list)
+    return [
+        f"{call.args[0].__module__}.{call.args[0].__name__}" for call in patch_lang.call_args_list
+    ], restore.call_count
 
 
-def test_a_port_helper_called_in_a_launch_does_not_patch_the_language_again(shortcut):
-    """Stage 1's kernels call ``_locate_state``, which calls ``owner_and_local``, once per top-k tile."""
+def _is_patched() -> dict[str, bool]:
+    """Whether ``tl`` and ``tl.core`` hold the interpreter's wrappers of their builtins."""
+    return {"tl": not tl.core.is_builtin(tl.load), "tl.core": not tl.core.is_builtin(tl.core.load)}
+
+
+def test_the_language_is_patched_once_per_process_not_per_launch_or_helper_call(shortcut):
+    """Stage 1's kernels call ``_locate_state``, which calls ``owner_and_local``,
+    and Triton's ``tl.cumsum`` and ``tl.sum`` once per top-k tile."""
     helpers = {"dcpcheck.port.index._locate_state", "dcpcheck.port.ownership.owner_and_local"}
+    helpers |= {"triton.language.standard.cumsum", "triton.language.standard.sum"}
     kernels = {"dcpcheck.port.index._filter_index_kernel": 1, "dcpcheck.port.index._slot_mapping_kernel": 1}
     from triton.runtime import interpreter
 
-    with as_shipped(shortcut):
-        shipped = _patched_for(interpreter, "_patch_lang", check_stage1)
+    check_stage1()
+    assert _is_patched() == {"tl": True, "tl.core": True}, "the shortcut's launches left the language unpatched"
+    with shortcut.shipped():
+        assert _is_patched()["tl"] is False, "as shipped, tl is patched before any launch"
+        patched, restored = _language_patching(interpreter, "_patch_lang", check_stage1)
+    shipped = Counter(patched)
     assert all(shipped[helper] > 1 for helper in helpers), f"as shipped: {dict(shipped)}"
-    patched = _patched_for(shortcut, "patch_lang", check_stage1)
-    assert {name: count for name, count in patched.items() if name.startswith("dcpcheck.")} == kernels, (
-        f"with the shortcut: {dict(patched)}"
-    )
+    assert {kernel: shipped[kernel] for kernel in kernels} == kernels, f"as shipped: {dict(shipped)}"
+    assert restored == sum(kernels.values()), "as shipped, each launch restores the language"
+
+    # shipped() undid the kept patch: the next launch patches tl and tl.core, once.
+    patched, restored = _language_patching(shortcut, "patch_lang", check_stage1)
+    assert (len(patched), restored) == (1, 0), f"the first launch: {patched}, {restored} restores"
+    assert _is_patched() == {"tl": True, "tl.core": True}
+    patched, restored = _language_patching(shortcut, "patch_lang", check_stage1)
+    assert (patched, restored) == ([], 0), "after the first launch, a stage-1 run patched or restored the language"
+    assert _is_patched() == {"tl": True, "tl.core": True}
 
 
 @pytest.mark.parametrize("stage", CHECKS)
 def test_outputs_are_bitwise_those_of_the_interpreter_as_shipped(stage, shortcut):
     outputs = CHECKS[stage]()
-    with as_shipped(shortcut):
+    with shortcut.shipped():
         shipped = CHECKS[stage]()
     for index, (got, expected) in enumerate(zip(outputs, shipped, strict=True)):
         assert torch.equal(as_bits(got), as_bits(expected)), (
