@@ -18,9 +18,11 @@ from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
 from dcpcheck.ranks.zygote_server import ZygoteServers
 
-# What every zygote imports before it forks its ranks: imported once, by the
-# zygote server it is forked from (dcpcheck/ranks/zygote_server.py).
-ZYGOTE_PRELOAD = ["torch.distributed"]
+# What every zygote and its ranks import, imported once by the zygote server
+# they are forked from (dcpcheck/ranks/zygote_server.py): torch, and pytest,
+# which the test module of every rank function imports. Nothing that could
+# initialise CUDA before a fork.
+ZYGOTE_PRELOAD = ["torch.distributed", "pytest"]
 
 
 class SpawnedRanks:
