@@ -17,14 +17,27 @@ STATES = {
 }
 
 
-def process_state_letter(pid: int) -> str | None:
-    """The state letter of ``pid``, or None when there is no such process."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state letter
+    first, then the parent pid), or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             stat = fh.read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2]  # the command name may hold spaces and parentheses
+    return stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+
+
+def process_state_letter(pid: int) -> str | None:
+    """The state letter of ``pid``, or None when there is no such process."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid``, or None when there is no such process."""
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def describe_process(pid: int) -> str:

@@ -17,7 +17,7 @@ import ctypes
 import os
 import signal
 
-from dcpcheck.ranks.procstate import process_state_letter
+from dcpcheck.ranks.procstate import process_state_letter, stat_fields
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -53,13 +53,9 @@ def _process_table() -> list[tuple[int, str, int]]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table.append((int(entry.name), fields[0], int(fields[1])))
+        fields = stat_fields(int(entry.name))
+        if fields:
+            table.append((int(entry.name), fields[0], int(fields[1])))
     return table
 
 

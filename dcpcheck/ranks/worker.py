@@ -132,7 +132,8 @@ def _preload(args) -> None:
             pass
 
 
-def _redirect_output(path: str) -> None:
+def redirect_output(path: str) -> None:
+    """Stdout and stderr of this process to ``path``, from its start."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -179,7 +180,7 @@ def _rank_main(args, rank: int, zygote_pid: int) -> int:
             signal.signal(sig, signal.SIG_DFL)  # the zygote's handlers are not the rank's
         die_with_parent(signal.SIGKILL, zygote_pid)  # a signal no busy loop can delay
         become_subreaper()
-        _redirect_output(log_path(args.tmpdir, rank))
+        redirect_output(log_path(args.tmpdir, rank))
         return rank_main(args, rank)
     except BaseException:  # noqa: BLE001 - a forked child must never return into the zygote's code
         import traceback

@@ -45,8 +45,6 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 class ServerReady:
     """The server's first message: it imported what every zygote needs."""
 
-    pid: int
-
 
 @dataclass(frozen=True)
 class ForkZygote:
@@ -83,13 +81,10 @@ def _run_zygote(request: ForkZygote, parent_pid: int) -> int:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.environ)
-    log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
     os.close(null)
+    worker.redirect_output(request.log)
     argv = [*request.argv, "--parent-pid", str(parent_pid)]
     sys.argv = [worker.__file__, *argv]  # what `python -m dcpcheck.ranks.worker` shows an implementation
     return worker.main(argv)
@@ -133,7 +128,7 @@ def _exit_code(pid: int, timeout: float | None, reaped: dict[int, int]) -> int |
 def serve(conn: Connection, preload: list[str]) -> int:
     for module in preload:
         __import__(module)
-    conn.send(ServerReady(os.getpid()))
+    conn.send(ServerReady())
     reaped: dict[int, int] = {}
     while True:
         try:

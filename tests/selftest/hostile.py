@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dcpcheck.ranks.procstate import parent_pid
 from tests.selftest.rank_functions import sum_of_ranks
 
 
@@ -176,14 +177,9 @@ def raise_monsters(ctx, *, kind: str) -> None:
         raise SystemExit(0)
 
 
-def parent_of(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
 def kill_the_zygote_server(ctx) -> None:
     """Rank 0 kills the process its pool's zygote was forked from, then every rank waits in a collective."""
     if ctx.rank == 0:
-        os.kill(parent_of(os.getppid()), signal.SIGKILL)
+        os.kill(parent_pid(os.getppid()), signal.SIGKILL)
     sum_of_ranks(ctx)
     time.sleep(3600)

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from dcpcheck.ranks.procstate import process_state_letter
 from tests.selftest.inner import start_inner_pytest, write_session
 
 GIL_SPINNING_TESTS = """
@@ -23,11 +24,7 @@ def test_spins(dcp, tmp_path_factory):
 
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    return process_state_letter(pid) not in (None, "Z")
 
 
 def wait_until(predicate, seconds: float) -> bool:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dcpcheck.ranks.procstate import process_state_letter
-from tests.selftest.hostile import parent_of
+from dcpcheck.ranks.procstate import parent_pid, process_state_letter
 from tests.selftest.inner import inner_env, start_inner_pytest, write_session
 from tests.selftest.processes import GIL_SPINNING_TESTS, alive, pool_dir_of, start_spinning_session, wait_until
 
@@ -35,7 +34,7 @@ def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopp
     ranks = [int(m.read_text()) for m in markers]
     started = [int(pid) for rank in range(2) for pid in Path(f"{pid_file}.{rank}").read_text().split()]
     pool_dir = pool_dir_of(ranks[0])
-    zygote_server = parent_of(parent_of(ranks[0]))
+    zygote_server = parent_pid(parent_pid(ranks[0]))
     assert all(map(alive, ranks + started + [zygote_server]))
     assert wait_until(lambda: process_state_letter(ranks[1]) == "T", 10)
     os.kill(proc.pid, sig)

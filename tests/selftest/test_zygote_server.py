@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from dcpcheck.ranks.procstate import parent_pid
 from dcpcheck.ranks.zygote_server import ZygoteServer, ZygoteServerGone
-from tests.selftest.hostile import kill_the_zygote_server, parent_of
+from tests.selftest.hostile import kill_the_zygote_server
 from tests.selftest.rank_functions import kill_rank, sum_of_ranks
 
 
 def where_forked(ctx) -> dict:
     """What this rank's zygote was started with, and what started it."""
     zygote = os.getppid()
-    server = parent_of(zygote)
+    server = parent_pid(zygote)
     return {
         "zygote": zygote,
         "server": server,
