@@ -23,6 +23,11 @@ kept patch is also safe between threads, where per-launch restores are not: a
 launch ending in one thread (a case thread of ``dcpcheck.ranks.torchrun`` left
 running at its timeout) could unpatch the language under a launch in another.
 
+The shortcut also answers the interpreter's ``_get_np_dtype`` (called at every
+cast, splat, load and store) from a table kept per Triton type: as shipped it
+builds its whole 18-entry table at each call. Each answer is the shipped
+function's own, asked once per type.
+
 Only the Triton versions named in ``PATCHED_VERSIONS`` are patched, those whose
 interpreter was read for this; under any other the interpreter runs as shipped.
 """
@@ -56,6 +61,7 @@ class Shortcut:
     """What :func:`patch_language_once_per_process` replaced, and the patch it keeps."""
 
     patch_lang: Callable  # triton.runtime.interpreter._patch_lang as shipped
+    get_np_dtype: Callable  # triton.runtime.interpreter._get_np_dtype as shipped
     kept: object | None = None  # the process's patch (Triton's _LangPatchScope) once a launch made it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     seen: set = field(default_factory=set, repr=False)  # functions found to see triton.language
@@ -90,12 +96,13 @@ class Shortcut:
             # Everything Triton's _patch_lang sets attributes on.
             targets = (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.condition, tl.core.tensor_descriptor_base)
             unpatched = [(obj, dict(vars(obj))) for obj in targets]
-            installed, interpreter._patch_lang = interpreter._patch_lang, self.patch_lang
+            installed = interpreter._patch_lang, interpreter._get_np_dtype
+            interpreter._patch_lang, interpreter._get_np_dtype = self.patch_lang, self.get_np_dtype
         try:
             yield
         finally:
             with self.lock:
-                interpreter._patch_lang = installed
+                interpreter._patch_lang, interpreter._get_np_dtype = installed
                 for obj, attributes in unpatched:
                     for name in vars(obj).keys() - attributes.keys():
                         delattr(obj, name)
@@ -109,6 +116,26 @@ def _sees_language(fn) -> bool:
     import triton.language as tl
 
     return any(inspect.ismodule(value) and value in (tl, tl.core) for value in fn.__globals__.values())
+
+
+def _np_dtype_per_type(get_np_dtype: Callable) -> Callable:
+    """``get_np_dtype`` asked once per scalar type (a block's is its element's):
+    its answers kept in a table. Pointer types, which are not hashable, it
+    answers at once without its table."""
+    import triton.language as tl
+
+    table: dict = {}
+
+    def np_dtype_of(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return get_np_dtype(scalar)
+        found = table.get(scalar)
+        if found is None:
+            found = table[scalar] = get_np_dtype(scalar)
+        return found
+
+    return np_dtype_of
 
 
 def patch_language_once_per_process() -> Shortcut | None:
@@ -128,7 +155,7 @@ def patch_language_once_per_process() -> Shortcut | None:
     installed = getattr(interpreter, "_dcpcheck_shortcut", None)
     if installed is not None:
         return installed
-    shortcut = Shortcut(interpreter._patch_lang)
+    shortcut = Shortcut(interpreter._patch_lang, interpreter._get_np_dtype)
 
     def keep_lang_patched(fn):
         # Triton's check, once per function, with Triton's message.
@@ -140,5 +167,6 @@ def patch_language_once_per_process() -> Shortcut | None:
         return _NOTHING_TO_RESTORE
 
     interpreter._patch_lang = keep_lang_patched
+    interpreter._get_np_dtype = _np_dtype_per_type(shortcut.get_np_dtype)
     interpreter._dcpcheck_shortcut = shortcut
     return shortcut

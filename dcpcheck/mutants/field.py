@@ -150,8 +150,8 @@ MUTANTS = (
         "interleave, the read side the configured S",
         patch=Patch(
             "index.py",
-            "        interleave,\n        BLOCK=POSITIONS_PER_PROGRAM,",
-            "        bs,\n        BLOCK=POSITIONS_PER_PROGRAM,",
+            "        interleave,\n        BLOCK=block,",
+            "        bs,\n        BLOCK=block,",
         ),
     ),
     index_mutant(

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .ownership import owner_and_local
-from .triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE
+from .triton_env import POSITIONS_PER_PROGRAM, TOKENS_PER_PROGRAM, TOPK_TILE, block_for
 
 
 @triton.jit
@@ -128,8 +128,8 @@ def filter_index(
         return slots, counts
     if top_k == 0:
         return slots, counts.zero_()
-    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)
-    _filter_index_kernel[grid](
+    tokens = block_for(num_tokens, TOKENS_PER_PROGRAM)
+    _filter_index_kernel[(triton.cdiv(num_tokens, tokens),)](
         topk,
         token_to_req,
         block_table,
@@ -146,8 +146,8 @@ def filter_index(
         world_size,
         rank,
         interleave,
-        TOKENS=TOKENS_PER_PROGRAM,
-        TILE=TOPK_TILE,
+        TOKENS=tokens,
+        TILE=block_for(top_k, TOPK_TILE),
     )
     return slots, counts
 
@@ -174,8 +174,8 @@ def slot_mapping(
         return slots
     if block_table.shape[1] == 0:
         return slots.fill_(-1)
-    grid = (triton.cdiv(positions.numel(), POSITIONS_PER_PROGRAM),)
-    _slot_mapping_kernel[grid](
+    block = block_for(positions.numel(), POSITIONS_PER_PROGRAM)
+    _slot_mapping_kernel[(triton.cdiv(positions.numel(), block),)](
         positions,
         token_to_req,
         block_table,
@@ -188,6 +188,6 @@ def slot_mapping(
         world_size,
         rank,
         interleave,
-        BLOCK=POSITIONS_PER_PROGRAM,
+        BLOCK=block,
     )
     return slots

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .ownership import owner_and_local
-from .triton_env import TOKENS_PER_PROGRAM, TOPK_TILE
+from .triton_env import TOKENS_PER_PROGRAM, TOPK_TILE, block_for
 
 # Most prefill tokens one stage-3 sub-chunk carries (the non-gather path).
 DCP_PREFILL_TOKEN_CHUNK = 2048
@@ -151,8 +151,8 @@ def prefill_remap(
     counts = torch.zeros((num_tokens,), dtype=torch.int32, device=topk.device)
     if num_tokens == 0 or top_k == 0:
         return slots, counts
-    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)
-    _prefill_remap_kernel[grid](
+    tokens = block_for(num_tokens, TOKENS_PER_PROGRAM)
+    _prefill_remap_kernel[(triton.cdiv(num_tokens, tokens),)](
         topk,
         token_to_req,
         is_valid_token.to(torch.int8),
@@ -168,7 +168,7 @@ def prefill_remap(
         bs * world_size,
         world_size,
         interleave,
-        TOKENS=TOKENS_PER_PROGRAM,
-        TILE=TOPK_TILE,
+        TOKENS=tokens,
+        TILE=block_for(top_k, TOPK_TILE),
     )
     return slots, counts

@@ -6,6 +6,11 @@ interpreter pays about 1 ms per program instance, so it gets large blocks; a
 GPU gets blocks that fit in registers. Every launch size of the port lives
 here, next to the decision it depends on.
 
+Under the interpreter every op also costs in proportion to its block, masked
+lanes included, so :func:`block_for` shrinks a block to the launch's extent:
+the same programs and loop steps as the largest block, without the padding.
+A GPU keeps one block size per kernel, so that it compiles one variant.
+
 Kernels loop over a runtime bound (top-k) with ``while``, not ``range()``:
 the interpreter hands a kernel its scalars as 1-element arrays, and Triton
 3.6's interpreter turns one into a ``range()`` bound with ``int()``, which
@@ -48,6 +53,18 @@ TOPK_TILE = 128  # top-k entries per loop step of the index kernels
 TOKENS_PER_PROGRAM = 256 if INTERPRETED else 16  # rows per program of the index kernels
 POSITIONS_PER_PROGRAM = 4096 if INTERPRETED else 1024  # positions per program of the write side
 COMBINE_TILE_ELEMENTS = (1 << 19) if INTERPRETED else (1 << 12)  # elements of a combine program's widest tile
+MIN_BLOCK = 16  # the smallest block block_for gives
+
+
+def block_for(extent: int, largest: int) -> int:
+    """Block size over ``extent`` items, for a kernel whose block holds at most
+    ``largest``: ``largest`` on a GPU; under the interpreter the smallest power of
+    two (at least MIN_BLOCK) that covers ``extent``, up to ``largest``."""
+    if not INTERPRETED:
+        return largest
+    return min(largest, max(MIN_BLOCK, 1 << max(extent - 1, 0).bit_length()))
+
+
 # Rows per block of sparse_attention (torch): bounds its fp32 temporaries on a
 # GPU; small under the interpreter so that the test shapes cross blocks too.
 ATTENTION_TOKENS_PER_BLOCK = 32 if INTERPRETED else 1024

@@ -24,7 +24,7 @@ from dcpcheck.oracle.prefill import gather_geometry, remap_reference
 from dcpcheck.port.combine import combine
 from dcpcheck.port.index import filter_index, slot_mapping
 from dcpcheck.port.prefill import prefill_geometry, prefill_remap
-from dcpcheck.port.triton_env import INTERPRETED, TOPK_TILE
+from dcpcheck.port.triton_env import INTERPRETED, TOKENS_PER_PROGRAM, TOPK_TILE, block_for
 
 REPO = Path(__file__).resolve().parents[2]
 TOP_K = 2 * TOPK_TILE + 44  # three tiles of the top-k loops, the last one partial
@@ -187,3 +187,15 @@ def test_kernels_under_the_interpreter(stage, interpreted_failures):
         assert not interpreted_failures[stage], (
             f"{stage} kernels under the Triton interpreter:\n{interpreted_failures[stage]}"
         )
+
+
+@pytest.mark.parametrize("largest", [TOPK_TILE, TOKENS_PER_PROGRAM])
+@pytest.mark.parametrize("extent", [1, 15, 16, 17, 100, 127, 128, 129, 255, 256, 257, 1000])
+def test_a_launch_block_runs_as_many_programs_and_loop_steps_as_the_largest(extent, largest):
+    """block_for shrinks a block only where one block of the largest size
+    would hold the whole extent: the same programs, the same loop steps."""
+    block = block_for(extent, largest)
+    assert block & (block - 1) == 0 and block <= largest, f"block {block}: a power of two up to {largest}"
+    assert -(-extent // block) == -(-extent // largest), f"extent {extent}: block {block} against {largest}"
+    if not INTERPRETED:
+        assert block == largest, "a GPU compiles one block size per kernel"

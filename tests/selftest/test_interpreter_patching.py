@@ -89,3 +89,19 @@ def test_outputs_are_bitwise_those_of_the_interpreter_as_shipped(stage, shortcut
         assert torch.equal(as_bits(got), as_bits(expected)), (
             f"{stage} output {index} differs from the interpreter as shipped"
         )
+
+
+def test_np_dtypes_are_the_shipped_answers(shortcut):
+    """The kept table answers as the shipped ``_get_np_dtype`` does, for every
+    scalar, pointer and block type; ``shipped()`` runs the shipped function."""
+    from triton.runtime import interpreter
+
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64]
+    scalars += [tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    pointers = [tl.pointer_type(tl.float32), tl.pointer_type(tl.bfloat16)]
+    every = scalars + pointers + [tl.block_type(ty, [4, 2]) for ty in scalars + pointers]
+    assert interpreter._get_np_dtype is not shortcut.get_np_dtype, "the shortcut left _get_np_dtype as shipped"
+    for ty in every * 2:  # asked again: the kept answer
+        assert interpreter._get_np_dtype(ty) == shortcut.get_np_dtype(ty), f"{ty}"
+    with shortcut.shipped():
+        assert interpreter._get_np_dtype is shortcut.get_np_dtype
