@@ -6,7 +6,7 @@ interpreter pays about 1 ms per program instance, so it gets large blocks; a
 GPU gets blocks that fit in registers. Every launch size of the port lives
 here, next to the decision it depends on.
 
-Under the interpreter every op also costs in proportion to its block, masked
+Under the interpreter every op also costs more the larger its block, masked
 lanes included, so :func:`block_for` shrinks a block to the launch's extent:
 the same programs and loop steps as the largest block, without the padding.
 A GPU keeps one block size per kernel, so that it compiles one variant.
