@@ -54,6 +54,9 @@ TOKENS_PER_PROGRAM = 256 if INTERPRETED else 16  # rows per program of the index
 POSITIONS_PER_PROGRAM = 4096 if INTERPRETED else 1024  # positions per program of the write side
 COMBINE_TILE_ELEMENTS = (1 << 19) if INTERPRETED else (1 << 12)  # elements of a combine program's widest tile
 MIN_BLOCK = 16  # the smallest block block_for gives
+# Rows per block of sparse_attention (torch): bounds its fp32 temporaries on a
+# GPU; small under the interpreter so that the test shapes cross blocks too.
+ATTENTION_TOKENS_PER_BLOCK = 32 if INTERPRETED else 1024
 
 
 def block_for(extent: int, largest: int) -> int:
@@ -63,8 +66,3 @@ def block_for(extent: int, largest: int) -> int:
     if not INTERPRETED:
         return largest
     return min(largest, max(MIN_BLOCK, 1 << max(extent - 1, 0).bit_length()))
-
-
-# Rows per block of sparse_attention (torch): bounds its fp32 temporaries on a
-# GPU; small under the interpreter so that the test shapes cross blocks too.
-ATTENTION_TOKENS_PER_BLOCK = 32 if INTERPRETED else 1024
