@@ -65,4 +65,6 @@ def block_for(extent: int, largest: int) -> int:
     two (at least MIN_BLOCK) that covers ``extent``, up to ``largest``."""
     if not INTERPRETED:
         return largest
-    return min(largest, max(MIN_BLOCK, 1 << max(extent - 1, 0).bit_length()))
+    import triton  # here, not at the top: this module runs before triton's import
+
+    return min(largest, max(MIN_BLOCK, triton.next_power_of_2(extent)))
