@@ -8,8 +8,12 @@
 # --no-deps: its declared requirements (torch==2.14.0, flashinfer, CUDA
 # kernels, ...) would replace the CPU torch with a multi-GB CUDA build. Only the pure-Python packages that
 # importing its DCP modules needs are installed, under a constraints file that
-# pins torch and triton, so nothing can replace them. Idempotent: a venv that
-# already passes the check is left as it is.
+# pins torch and triton, so nothing can replace them. Then the source of the
+# FlashInfer release vLLM pins (flashinfer-python==0.7.2.post1 for 0.33.0) is
+# unpacked beside vLLM, for --dcp-impl dsv41 to read, never import
+# (dcpcheck/impls/dsv41/flashinfer_sources.py): the wheel is downloaded with
+# --no-deps and only flashinfer/mla/_core.py leaves it. Idempotent: a venv
+# that already passes the check is left as it is.
 set -euo pipefail
 
 VENV=${1:-.venv}
@@ -56,9 +60,32 @@ if ! installed_triton=$("$PY" -c 'import importlib.metadata as m; print(m.versio
   exit 2
 fi
 
+# The FlashInfer sources --dcp-impl dsv41 reads: FlashInfer's mla/_core.py of
+# vLLM's pin, under SITE/dcpcheck-flashinfer-sources/flashinfer-python-VERSION/.
+install_flashinfer_sources() {
+  local pin site dest wheels
+  pin=$("$PY" -c 'from dcpcheck.impls.dsv41.flashinfer_sources import pinned_version; print(pinned_version())') || {
+    echo "error: cannot read vLLM's FlashInfer pin (is dcpcheck installed in $VENV: pip install -e .?)" >&2
+    exit 2
+  }
+  site=$("$PY" -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+  dest="$site/dcpcheck-flashinfer-sources/flashinfer-python-$pin"
+  if [ -f "$dest/flashinfer/mla/_core.py" ]; then
+    echo "flashinfer-python $pin sources already in $dest"
+    return
+  fi
+  wheels=$(mktemp -d)
+  "$VENV/bin/pip" download --quiet --no-deps --only-binary :all: "flashinfer-python==$pin" -d "$wheels"
+  "$PY" -c 'import sys, zipfile, glob; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extract("flashinfer/mla/_core.py", sys.argv[2])' \
+    "$wheels" "$dest"
+  rm -rf "$wheels"
+  echo "flashinfer-python $pin sources (read, never imported) in $dest"
+}
+
 if report=$(verify 2>/dev/null); then
   echo "$report"
   echo "already installed in $VENV"
+  install_flashinfer_sources
   exit 0
 fi
 
@@ -73,4 +100,5 @@ echo "installing vllm==$VLLM_VERSION (--no-deps) and the pure-Python deps of $RE
 "$VENV/bin/pip" install --quiet -c "$constraints" -r "$REQUIREMENTS"
 "$VENV/bin/pip" install --quiet -c "$constraints" --no-deps "vllm==$VLLM_VERSION"
 verify
+install_flashinfer_sources
 echo "installed in $((SECONDS - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"

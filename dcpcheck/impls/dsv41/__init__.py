@@ -39,7 +39,6 @@ from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving
 from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
-from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source
 from dcpcheck.impls.dsv41.layer import (
     INDEX_TOPK,
     TOPK_TILE,
@@ -316,11 +315,6 @@ class Dsv41Implementation:
         reason = self.vllm.unavailable_reason(terms)
         if reason:
             return reason
-        if "tree_kernel_call" in terms.properties and flashinfer_kernel_source() is None:
-            return (
-                "needs FlashInfer's sources on sys.path, to read the SM120 kernel's signature (the "
-                "flashinfer-python wheel vLLM pins: 0.7.2.post1 for vLLM 0.33.0; read, never imported)"
-            )
         if "stage3_prefill_trace" in terms.properties and terms.device == "cpu" and terms.world_size >= 4:
             # A machine limit: vLLM's a2a pack/unpack kernels run a program per
             # token and head under the Triton interpreter.

@@ -1,80 +1,58 @@
-"""Whether the port's call of FlashInfer's SM120 kernel binds to the
-installed FlashInfer's signature.
+"""Finding 6's probe: the port's SM120 wrapper called once, into FlashInfer's
+SM120 entry as the release the tree's vLLM pins defines it, with no fix
+supplied (:mod:`.flashinfer_stand_in`).
 
-The reference kernel stands in for that call everywhere (no SM120 here), so
-the port's own call is never executed; its arguments are read from the
-tree's source and FlashInfer's parameters from FlashInfer's source (found on
-``sys.path``, not imported: importing FlashInfer needs its CUDA packages).
+Everywhere else the wrapper's call gets finding 6's fix where it omits exactly
+that argument, so the later checks still run; here it meets the entry as it
+would on SM120, and whatever the call raises is the finding.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-from pathlib import Path
+import torch
 
-PORT_HELPER = "_sm120_sparse_attention_with_lse"  # the seed diff's DCP path into the kernel
-KERNEL = "_trtllm_batch_decode_sparse_mla_sm120"
-KERNEL_FILE = "mla/_core.py"
+from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY
+from dcpcheck.impls.dsv41.tree import SM120_WRAPPER, PortTree
 
-
-def flashinfer_kernel_source() -> Path | None:
-    """FlashInfer's ``mla/_core.py`` on ``sys.path``, or None."""
-    try:
-        spec = importlib.util.find_spec("flashinfer")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / KERNEL_FILE
-    return path if path.is_file() else None
+# One token, the kernel's smallest head count, a window and a compressed segment.
+PROBE_HEADS = 8
+PROBE_HEAD_DIM = 64
+# The failure finding 6 explains, as Python words it at the entry.
+LSE_SCALE_MISSING = f"{ENTRY}() missing 1 required positional argument: 'lse_scale'"
 
 
-def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
-    return next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name), None)
-
-
-def _required_and_known(function: ast.FunctionDef) -> tuple[list[str], set[str], bool]:
-    """(parameters without a default, every parameter name, takes **kwargs)."""
-    arguments = function.args
-    positional = arguments.posonlyargs + arguments.args
-    without_default = positional[: len(positional) - len(arguments.defaults)]
-    required = [arg.arg for arg in without_default]
-    required += [arg.arg for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults) if default is None]
-    known = {arg.arg for arg in positional + arguments.kwonlyargs}
-    return required, known, arguments.kwarg is not None
-
-
-def kernel_call_finding(port_file: str, kernel_file: Path) -> str | None:
-    """What the port's call of the kernel lacks or passes that the kernel does not take; None if it binds."""
-    port_tree = ast.parse(Path(port_file).read_text())
-    helper = _function(port_tree, PORT_HELPER)
-    if helper is None:
-        return f"{port_file} has no {PORT_HELPER}"
-    calls = [
-        node
-        for node in ast.walk(helper)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == KERNEL
-    ]
-    if not calls:
-        return f"{PORT_HELPER} in {port_file} does not call {KERNEL}"
-    kernel = _function(ast.parse(kernel_file.read_text()), KERNEL)
-    if kernel is None:
-        return f"{kernel_file} has no {KERNEL}"
-    required, known, takes_any = _required_and_known(kernel)
-    problems = []
-    for call in calls:
-        passed = {keyword.arg for keyword in call.keywords if keyword.arg}
-        covered = set(required[: len(call.args)]) | passed
-        missing = [name for name in required if name not in covered]
-        unknown = sorted(passed - known) if not takes_any else []
-        if missing:
-            problems.append(f"it passes no {', '.join(missing)}, which {KERNEL} requires")
-        if unknown:
-            problems.append(f"it passes {', '.join(unknown)}, which {KERNEL} does not take")
-    if not problems:
-        return None
+def _probe_inputs(device: torch.device) -> tuple:
+    """The wrapper's arguments, in its order (query ... lse), for one decode token."""
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    int32 = {"dtype": torch.int32, "device": device}
     return (
-        f"the port's {PORT_HELPER} ({port_file}, line {calls[0].lineno}) calls FlashInfer's {KERNEL} "
-        f"({kernel_file}): {'; '.join(problems)}: a TypeError at the first DCP forward on SM120"
+        torch.ones((1, PROBE_HEADS, PROBE_HEAD_DIM), **bf16),  # query
+        torch.ones((4, 1, PROBE_HEAD_DIM), **bf16),  # swa_kv_cache: 4 one-token slots
+        torch.zeros(1024, dtype=torch.uint8, device=device),  # workspace
+        torch.tensor([[[0, 1, -1, -1]]], **int32),  # swa_indices
+        torch.tensor([2], **int32),  # swa_lens
+        torch.ones((2, 4, PROBE_HEAD_DIM), **bf16),  # compressed_kv_cache: 2 pages of 4 states
+        torch.tensor([[[0, 5, -1, -1]]], **int32),  # extra_indices
+        torch.tensor([2], **int32),  # extra_lens
+        torch.empty((1, PROBE_HEADS, PROBE_HEAD_DIM), **bf16),  # out
+        0.125,  # sm_scale
+        torch.zeros(PROBE_HEADS, dtype=torch.float32, device=device),  # sinks
+        torch.empty((1, PROBE_HEADS), dtype=torch.float32, device=device),  # lse
     )
+
+
+def kernel_call_finding(tree: PortTree, device: torch.device) -> str | None:
+    """What the port's call of FlashInfer's SM120 entry raises there, or None if it runs."""
+    module = tree.module({})
+    wrapper = getattr(module, SM120_WRAPPER).__wrapped__  # the tree's own function
+    sources = tree.flashinfer.sources
+    try:
+        with tree.flashinfer.installed(strict=True):
+            wrapper(*_probe_inputs(device))
+    except (TypeError, ValueError) as exc:
+        return (
+            f"the port's {SM120_WRAPPER} ({module.__file__}) calls FlashInfer {sources.version}'s {ENTRY} "
+            f"({sources.core}), and the call raises {type(exc).__name__}: {exc}: on SM120, at the first DCP "
+            "forward of a compressed layer"
+        )
+    return None

@@ -21,7 +21,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from dcpcheck.impls.dsv41.combine import run_step
-from dcpcheck.impls.dsv41.kernel_calls import flashinfer_kernel_source, kernel_call_finding
+from dcpcheck.impls.dsv41.kernel_calls import kernel_call_finding
 from dcpcheck.impls.dsv41.layer import INDEX_TOPK, LayerSpec, attention_base, build_port_layer
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
@@ -518,9 +518,7 @@ class ServingFindings:
 
     @functools.cached_property
     def kernel_call(self) -> str | None:
-        """None also where FlashInfer's sources are not there to read (the check then skips)."""
-        kernel_file = flashinfer_kernel_source()
-        return None if kernel_file is None else kernel_call_finding(self._tree.module({}).__file__, kernel_file)
+        return kernel_call_finding(self._tree, probe_device())
 
     @functools.cached_property
     def gather_geometry_cost(self) -> str:

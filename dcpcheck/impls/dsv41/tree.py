@@ -3,13 +3,17 @@
 The port reads its switches (``DSV41_DCP_PREFILL_GATHER``) when its module is
 imported, so each distinct environment gets its own module object executed
 from the tree's file: what a server started with that environment runs.
-The module's own kernel names are bound to :mod:`.reference_kernel` (the SM120
-kernel needs an SM120 GPU and fp8_ds_mla caches, which the driver does not
-write); everything else is the tree's code.
+The port's SM120 wrapper (``_sm120_sparse_attention_with_lse``) runs as it is,
+over FlashInfer's ``flashinfer.mla._core`` from the pinned release's source
+(:mod:`.flashinfer_stand_in`: the entry's real signature, the reference kernel
+computing); the DCP1 path's kernel name is bound to :mod:`.reference_kernel`
+(the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches, which the driver
+does not write); everything else is the tree's code.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.flashinfer_sources import FlashInferSourcesError, pinned_sources
+from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
 from dcpcheck.spies import environments
 
 DEFAULT_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
@@ -39,10 +45,9 @@ PORT_METHODS = (
     "_forward_sparse_impl",
 )
 # Module-level names the layer reaches for its kernels and its DCP group.
-KERNEL_NAMES = (
-    "_sm120_sparse_attention_with_lse",
-    "flashinfer_trtllm_batch_decode_sparse_mla_dsv4",
-)
+SM120_WRAPPER = "_sm120_sparse_attention_with_lse"  # the seed's DCP path into FlashInfer's SM120 entry
+DCP1_KERNEL = "flashinfer_trtllm_batch_decode_sparse_mla_dsv4"
+KERNEL_NAMES = (SM120_WRAPPER, DCP1_KERNEL)
 ENV_READ_AT_IMPORT = ("DSV41_DCP_PREFILL_GATHER",)
 
 INSTALL_HINT = (
@@ -100,15 +105,16 @@ def _file_of(module_name: str) -> str:
     return spec.origin
 
 
-def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
-    """The module executed afresh from its file under ``environ`` (restored after)."""
+def _execute(module_name: str, environ: dict[str, str], flashinfer: FlashInferCore) -> types.ModuleType:
+    """The module executed afresh from its file under ``environ`` (restored after), FlashInfer's
+    ``flashinfer.mla._core`` standing in should it import from there."""
     path = _file_of(module_name)
     private = f"dcpcheck_dsv41_{abs(hash((path, tuple(sorted(environ.items())))))}"
     spec = importlib.util.spec_from_file_location(private, path)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = module_name.rpartition(".")[0]
     try:
-        with environments(environ):
+        with environments(environ), flashinfer.installed():
             sys.modules[private] = module
             spec.loader.exec_module(module)
     except ImportError as exc:
@@ -131,7 +137,15 @@ class PortTree:
     def __init__(self, spec: PortSpec):
         self.spec = spec
         self._modules: dict[tuple, types.ModuleType] = {}
-        self.kernel = f"reference ({reference_kernel_reason()})"
+        try:
+            self.flashinfer = FlashInferCore(pinned_sources())
+        except (FlashInferSourcesError, FlashInferSourceError, SyntaxError) as exc:
+            raise PortSpecError(f"FlashInfer's SM120 entry cannot stand in for the port's kernel call: {exc}") from exc
+        self.kernel = (
+            f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
+            f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
+            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: the reference"
+        )
         module = self.module({})
         attention = getattr(module, spec.cls, None)
         if attention is None:
@@ -151,11 +165,24 @@ class PortTree:
         key = tuple(sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT))
         module = self._modules.get(key)
         if module is None:
-            module = _execute(self.spec.module, dict(key))
-            module._sm120_sparse_attention_with_lse = reference_kernel.sm120_sparse_attention_with_lse
-            module.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = reference_kernel.trtllm_batch_decode_sparse_mla_dsv4
+            module = _execute(self.spec.module, dict(key), self.flashinfer)
+            wrapper = getattr(module, SM120_WRAPPER, None)
+            if callable(wrapper):
+                setattr(module, SM120_WRAPPER, self._over_flashinfer(wrapper))
+            setattr(module, DCP1_KERNEL, reference_kernel.trtllm_batch_decode_sparse_mla_dsv4)
             self._modules[key] = module
         return module
+
+    def _over_flashinfer(self, wrapper):
+        """The port's wrapper, run with FlashInfer's ``flashinfer.mla._core`` standing in for the call;
+        ``__wrapped__`` is the wrapper itself (finding 6's probe calls it strictly)."""
+
+        @functools.wraps(wrapper)
+        def call(*args, **kwargs):
+            with self.flashinfer.installed():
+                return wrapper(*args, **kwargs)
+
+        return call
 
 
 @contextmanager
