@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import importlib.util
 import os
 import re
 import subprocess
@@ -39,6 +40,7 @@ STAGES = ("stage1_index", "stage3_combine", "stage9_prefill", "e2e")
 STAGE_OF_CONTEXT = re.compile(r"tests[/.](" + "|".join(STAGES) + r")[/.]")
 MODULE_LEVEL = "module level (run on import)"
 RUNS_FILE = "runs.txt"
+NO_COVERAGE = "coverage.py is not installed: pip install -e '.[coverage]'"
 
 # Why a line cannot run on this machine, first match wins: (function or "",
 # regular expression on the line's code, reason). A line matching none is
@@ -72,6 +74,43 @@ REASONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+class UsageError(Exception):
+    """A bad argument, found where it is used: main prints it as one line and exits 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line, as the plugin's are (argparse would print the usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be used or made as a folder to write in, else None."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be written as a file (its folder made as needed), else None."""
+    return f"{path} is a folder" if path.is_dir() else folder_problem(path.parent)
+
+
+def argument_problem(args) -> str | None:
+    """What is wrong with the arguments, checked before pytest runs or a report is read, else None."""
+    if importlib.util.find_spec("coverage") is None:
+        return NO_COVERAGE
+    if problem := folder_problem(args.data):
+        return f"--data {args.data}: {problem}; accepted: a folder that exists or can be made"
+    if args.markdown is not None and (problem := file_problem(args.markdown)):
+        return f"--markdown {args.markdown}: {problem}; accepted: a file whose folder exists or can be made"
+    return None
+
+
 @dataclass(frozen=True)
 class Line:
     number: int
@@ -83,11 +122,11 @@ def tree_and_stock(tree: Path) -> tuple[Path, Path]:
     """The tree's port file and the vLLM file it was made from."""
     port = tree / PORT_FILE
     if not port.is_file():
-        sys.exit(f"error: no {PORT_FILE} under {tree} (build one with tools/build_dsv41_tree.sh)")
+        raise UsageError(f"--tree {tree}: no {PORT_FILE} under it (build one with tools/build_dsv41_tree.sh)")
     stock_root = (tree / "vllm" / "__init__.py").resolve().parent  # the tree links every other file to its vLLM
     stock = stock_root / Path(PORT_FILE).relative_to("vllm")
     if not stock.is_file() or stock.resolve() == port.resolve():
-        sys.exit(f"error: {tree}/vllm does not link to an installed vLLM with {PORT_FILE}")
+        raise UsageError(f"--tree {tree}: its vllm/ does not link to an installed vLLM with {PORT_FILE}")
     return port, stock
 
 
@@ -165,8 +204,8 @@ def executed_by_stage(data_dir: Path, port: Path) -> dict[int, set[str]]:
 
     parts = sorted(data_dir.glob(".coverage.*"))  # one file per measured process
     if not parts:
-        sys.exit(
-            f"error: no coverage data in {data_dir} (measure first: tools/diff_coverage.py run --data {data_dir} -- ...)"
+        raise UsageError(
+            f"--data {data_dir}: no coverage data (measure first: tools/diff_coverage.py run --data {data_dir} -- ...)"
         )
     stages: dict[int, set[str]] = {}
     target = str(port.resolve())
@@ -219,14 +258,13 @@ def report(args) -> None:
     out += ["", f"{len(missing)} not run, {unexplained} of them unexplained."]
     text = "\n".join(out) + "\n"
     if args.markdown:
-        Path(args.markdown).write_text(text)
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
     print(text)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "report"):
         command = sub.add_parser(name)
@@ -234,17 +272,22 @@ def main(argv=None) -> int:
             "--tree", type=Path, default=Path("build/dsv41-tree"), help="the DCP2 tree (default: build/dsv41-tree)"
         )
         command.add_argument("--data", type=Path, required=True, help="folder of the coverage data (runs add to it)")
-        command.add_argument("--markdown", help="write the report here too (run: after pytest)")
+        command.add_argument("--markdown", type=Path, help="write the report here too (run: after pytest)")
     sub.choices["run"].add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest's arguments")
     args = parser.parse_args(argv)
-    if args.command == "report":
-        report(args)
-        return 0
-    if args.pytest_args[:1] == ["--"]:
-        args.pytest_args = args.pytest_args[1:]
-    if not args.pytest_args:
-        parser.error("run: give pytest's arguments after --, e.g. -- --dcp-impl dsv41 tests/stage1_index")
-    return run(args)
+    if problem := argument_problem(args):
+        parser.error(problem)
+    try:
+        if args.command == "report":
+            report(args)
+            return 0
+        if args.pytest_args[:1] == ["--"]:
+            args.pytest_args = args.pytest_args[1:]
+        if not args.pytest_args:
+            parser.error("run: give pytest's arguments after --, e.g. -- --dcp-impl dsv41 tests/stage1_index")
+        return run(args)
+    except UsageError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

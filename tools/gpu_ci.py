@@ -12,13 +12,14 @@ runs the stage tests against vLLM and its DCP2 port. Each session runs with
 GPUs over gloo (``--gpu-sharing``), so a one-GPU host runs them all.
 
 Then it reads the JUnit files and prints a summary: step x stage x W x
-backend x ranks (cases passed / failed / skipped, worst error, peak GPU
-memory; the ranks column says which cases ran on NCCL and which on gloo), and
-where each step's time went: pool start (of which CUDA context and group
-set-up, the slowest rank), Triton compiles, and the checking itself. It is
-also written to ``<out>/summary.md`` (and ``--report``). Exits 1 when a case
+backend x ranks (cases passed / failed / xfailed / xpassed / skipped, worst
+error, peak GPU memory; the ranks column says which cases ran on NCCL and
+which on gloo), and where each step's time went: pool start (of which CUDA
+context and group set-up, the slowest rank), Triton compiles, and the
+checking itself. It is also written to ``<out>/summary.md`` (and
+``--report``); the run ends with one line per XPASS. Exits 1 when a case
 failed, a session broke or a session's breakdown is missing, 2 when the host
-has no GPU.
+has no GPU or an argument is bad (one line, before any session starts).
 
     python tools/gpu_ci.py --out gpu-ci            # on a GPU host, from the repo root
     python tools/gpu_ci.py --device cpu --steps stage1 --out gpu-ci-dry   # the driver's dry run
@@ -27,6 +28,7 @@ has no GPU.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -40,15 +42,27 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# Loaded as a pytest plugin (PLUGIN) before the suite's conftest loads dcpcheck's: so
+# that pytest still rewrites that plugin's asserts (and warns of nothing), it is told first.
+pytest.register_assert_rewrite("dcpcheck.plugin")
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
+from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
 from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES  # noqa: E402
 
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 SLOWEST_SHOWN = 8  # test modules listed by their cases' seconds
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"  # tests/conftest.py: one xdist group per file, in command-line order
+# pytest writes an XPASS to JUnit as a plain passed testcase, without its
+# reason: this module, loaded in every session as a pytest plugin, records both there.
+PLUGIN = "gpu_ci"
+XPASS_NODEID = "gpu_ci_xpass_nodeid"
+XPASS_REASON = "gpu_ci_xpass_reason"
+XPASS_NOTE = "XPASS (a known defect did not show: fixed, or its case missed it)"
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,20 @@ SESSIONS = (
 STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest's skipping plugin, which marks the XPASS
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.passed and hasattr(report, "wasxfail"):
+        # The teardown report copies the item's properties; JUnit writes those.
+        item.user_properties += [(XPASS_NODEID, item.nodeid), (XPASS_REASON, report.wasxfail)]
+    return report
+
+
+def with_plugin_path(env: dict) -> dict:
+    """``env`` with this folder on PYTHONPATH, so that ``-p gpu_ci`` finds this module."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))}
+
+
 def vllm_missing() -> str | None:
     """Why the vLLM sessions cannot run here (vLLM does not import), else None."""
     probe = subprocess.run([sys.executable, "-c", "import vllm"], cwd=REPO, capture_output=True, text=True)
@@ -164,7 +192,7 @@ def _xdist_keeps_order() -> list[str]:
 
 def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus: int) -> list[str]:
     pytest = [
-        "-m", "pytest", *paths, "-q", "-rfE", "-p", "no:cacheprovider",
+        "-m", "pytest", *paths, "-q", "-rfE", "-p", "no:cacheprovider", "-p", PLUGIN,
         "--device", args.device, "--dcp-timeout", str(args.dcp_timeout), "--junitxml", str(junit),
         *(["--world-sizes", args.world_sizes] if args.world_sizes else []),
         *(["-x"] if args.fail_fast else []), *session.extra_args, *args.pytest_args,
@@ -241,9 +269,23 @@ class Row:
     failed: int = 0
     skipped: int = 0
     xfailed: int = 0
+    xpassed: int = 0
     worst_ratios: list = field(default_factory=list)
     max_abs_errs: list = field(default_factory=list)
     gpu_peak_bytes: int = 0
+
+    @property
+    def cases(self) -> int:
+        return self.passed + self.failed + self.xfailed + self.xpassed + self.skipped
+
+    def add_measures(self, props: dict) -> None:
+        """A case's worst errors and GPU peak (one that ran its checks to the end: passed or XPASS)."""
+        if "dcp_worst_ratio" in props:
+            self.worst_ratios.append(float(props["dcp_worst_ratio"]))
+        if "dcp_max_abs_err" in props:
+            self.max_abs_errs.append(float(props["dcp_max_abs_err"]))
+        peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
+        self.gpu_peak_bytes = max([self.gpu_peak_bytes, *peaks])
 
 
 @dataclass
@@ -285,12 +327,14 @@ def step_of(case: ET.Element, step_paths: dict[str, list[str]]) -> str | None:
 
 def summarize(
     junit_files: dict[Path, dict[str, list[str]]],
-) -> tuple[dict[tuple, Row], dict[str, Phases], list[tuple[str, str, str]]]:
+) -> tuple[dict[tuple, Row], dict[str, Phases], list[tuple[str, str, str]], list[tuple[str, str, str]]]:
     """-> (summary rows, per-step phases, expected failures as (step, case,
-    reason)) of the JUnit files, each with the paths of the steps it ran."""
+    reason), XPASSes as (step, node id, reason)) of the JUnit files, each with
+    the paths of the steps it ran."""
     rows: dict[tuple, Row] = defaultdict(Row)
     phases: dict[str, Phases] = defaultdict(Phases)
     xfails: list[tuple[str, str, str]] = []
+    xpasses: list[tuple[str, str, str]] = []
     for path, step_paths in junit_files.items():
         if not path.exists():
             continue
@@ -312,15 +356,14 @@ def summarize(
                 xfails.append((step, case.get("name", ""), skipped.get("message", "").removeprefix("xfail: ")))
             elif skipped is not None:
                 row.skipped += 1
+            elif XPASS_NODEID in props:
+                row.xpassed += 1
+                xpasses.append((step, props[XPASS_NODEID], props.get(XPASS_REASON, "")))
+                row.add_measures(props)
             else:
                 row.passed += 1
-                if "dcp_worst_ratio" in props:
-                    row.worst_ratios.append(float(props["dcp_worst_ratio"]))
-                if "dcp_max_abs_err" in props:
-                    row.max_abs_errs.append(float(props["dcp_max_abs_err"]))
-                peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
-                row.gpu_peak_bytes = max([row.gpu_peak_bytes, *peaks])
-    return rows, phases, xfails
+                row.add_measures(props)
+    return rows, phases, xfails, xpasses
 
 
 def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, ran_cases: bool) -> str | None:
@@ -358,13 +401,14 @@ def render(
     runs: list[SessionRun],
     order: list[str],
     xfails: list[tuple[str, str, str]],
+    xpasses: list[tuple[str, str, str]],
 ) -> str:
     """Markdown: one line per (step, stage, W, backend), then the sessions, then where each step's time went,
-    then every expected failure with its reason."""
+    then every expected failure with its reason, then every XPASS with its reason."""
     lines = [
-        "| step | stage | W | backend | ranks | cases | passed | failed | xfailed | skipped | worst err/tol "
-        "| max abs err | peak GPU GiB |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | stage | W | backend | ranks | cases | passed | failed | xfailed | xpassed | skipped "
+        "| worst err/tol | max abs err | peak GPU GiB |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def key_order(key):
@@ -376,10 +420,9 @@ def render(
         ratio = f"{max(row.worst_ratios):.3g}" if row.worst_ratios else "-"
         abs_err = f"{max(row.max_abs_errs):.3g}" if row.max_abs_errs else "-"
         peak = f"{row.gpu_peak_bytes / 2**30:.2f}" if row.gpu_peak_bytes else "-"
-        cases = row.passed + row.failed + row.xfailed + row.skipped
         lines.append(
-            f"| {' | '.join(key)} | {cases} | {row.passed} | {row.failed} | {row.xfailed} | {row.skipped} | {ratio} "
-            f"| {abs_err} | {peak} |"
+            f"| {' | '.join(key)} | {row.cases} | {row.passed} | {row.failed} | {row.xfailed} | {row.xpassed} "
+            f"| {row.skipped} | {ratio} | {abs_err} | {peak} |"
         )
     lines += ["", "| session | wave | exit | wall s |", "|---|---:|---:|---:|"]
     lines += [f"| {run.name} | {run.wave} | {run.code} | {run.seconds:.1f} |" for run in runs]
@@ -406,7 +449,15 @@ def render(
     if xfails:
         lines += ["", "| expected failure | step | reason |", "|---|---|---|"]
         lines += [f"| `{name}` | {step} | {reason.replace('|', '/')} |" for step, name, reason in xfails]
+    if xpasses:
+        lines += ["", "| XPASS: known defect that did not show | step | reason |", "|---|---|---|"]
+        lines += [f"| `{nodeid}` | {step} | {reason.replace('|', '/')} |" for step, nodeid, reason in xpasses]
     return "\n".join(lines)
+
+
+def xpass_lines(xpasses: list[tuple[str, str, str]]) -> list[str]:
+    """The run's closing lines: one per XPASS, so that none goes unnoticed in a passing run."""
+    return [f"{XPASS_NOTE}: {nodeid}" + (f" — {reason}" if reason else "") for _, nodeid, reason in xpasses]
 
 
 # ---- the driver -------------------------------------------------------------
@@ -418,8 +469,59 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line, as the plugin's are (argparse would print the usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be used or made as a folder to write in, else None."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be written as a file (its folder made as needed), else None."""
+    return f"{path} is a folder" if path.is_dir() else folder_problem(path.parent)
+
+
+def bad_seconds(value: float) -> bool:
+    """nan, inf, 0 and negatives end every wait at once or never; past MAX_TIMEOUT_S timers overflow."""
+    return not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S)
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """The plugin's rules, before any session starts, so that a bad value costs no run."""
+    seconds = f"expected a finite number of seconds above 0 and at most {MAX_TIMEOUT_S:g}"
+    if bad_seconds(args.dcp_timeout):
+        parser.error(f"--dcp-timeout {args.dcp_timeout:g}: {seconds}, e.g. 60")
+    if args.session_timeout is not None and bad_seconds(args.session_timeout):
+        parser.error(f"--session-timeout {args.session_timeout:g}: {seconds}, e.g. 3600")
+    if args.world_sizes is not None:
+        try:
+            parse_world_sizes(args.world_sizes)
+        except pytest.UsageError as exc:
+            parser.error(str(exc))
+    if problem := folder_problem(args.out):
+        parser.error(f"--out {args.out}: {problem}; accepted: a folder that exists or can be made")
+    if args.report is not None and (problem := file_problem(args.report)):
+        parser.error(f"--report {args.report}: {problem}; accepted: a file whose folder exists or can be made")
+    if args.steps is not None:
+        unknown = sorted(set(args.steps.split(",")) - set(STEP_NAMES))
+        if unknown:
+            parser.error(f"--steps: unknown {', '.join(unknown)}; accepted: {', '.join(STEP_NAMES)}")
+    if args.workers is not None and args.workers < 0:
+        parser.error(f"--workers {args.workers}: accepted: 0 or 1 (no xdist), or more")
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-ci"), help="folder for JUnit XML, logs and summary.md")
     parser.add_argument(
         "--report", type=Path, default=None, help="also write the summary here (e.g. reports/gpu_ci.md)"
@@ -443,12 +545,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
-    if args.steps is not None:
-        unknown = sorted(set(args.steps.split(",")) - set(STEP_NAMES))
-        if unknown:
-            parser.error(f"--steps: unknown {', '.join(unknown)}; accepted: {', '.join(STEP_NAMES)}")
-    if args.workers is not None and args.workers < 0:
-        parser.error(f"--workers {args.workers}: accepted: 0 or 1 (no xdist), or more")
+    check_args(parser, args)
     return args
 
 
@@ -477,7 +574,7 @@ def main(argv=None) -> int:
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
-        env = {**os.environ, SPREAD_ENV: "1", **dict(session.env)}
+        env = with_plugin_path({**os.environ, SPREAD_ENV: "1", **dict(session.env)})
         runs.append(SessionRun(session.name, argv_, env, wave=session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
@@ -486,7 +583,7 @@ def main(argv=None) -> int:
     walls = run_sessions(runs, out, args.session_timeout)
     wall = time.perf_counter() - started
 
-    rows, phases, xfails = summarize(junit_files)
+    rows, phases, xfails, xpasses = summarize(junit_files)
     order = [step for session in sessions for step in (s.name for s in session.steps)]
     problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
     for session in sessions:
@@ -501,7 +598,7 @@ def main(argv=None) -> int:
     )
     if left_out:
         header += f"Not run: {', '.join(s.name for s in VLLM_SESSIONS)}: {left_out}\n\n"
-    summary = header + render(rows, phases, runs, order, xfails) + "\n"
+    summary = header + render(rows, phases, runs, order, xfails, xpasses) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
@@ -511,6 +608,8 @@ def main(argv=None) -> int:
     for problem in problems:
         print(f"gpu_ci: {problem}")
     print(f"gpu_ci: {'FAILED' if failed else 'passed'} (JUnit XML, logs and summary.md in {out})")
+    for line in xpass_lines(xpasses):
+        print(line)
     return 1 if failed else 0
 
 

@@ -117,6 +117,9 @@ def test_lines_count_for_the_stage_folder_of_the_test_that_ran_them(tree, tmp_pa
     assert "4 not run, 3 of them unexplained." in report
 
 
-def test_a_folder_without_data_is_a_one_line_error(tree, tmp_path):
-    with pytest.raises(SystemExit, match="no coverage data in"):
+def test_a_folder_without_data_is_a_one_line_usage_error(tree, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
         main(["report", "--tree", str(tree), "--data", str(tmp_path)])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f": error: --data {tmp_path}: no coverage data (measure first: tools/diff_coverage.py run" in line
