@@ -20,7 +20,7 @@ from dcpcheck.impls.dsv41.flashinfer_sources import CORE, FlashInferSources
 from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
 
 CORE_SOURCE = textwrap.dedent(
-    '''
+    """
     from dataclasses import dataclass
     from typing import Literal, Optional
 
@@ -77,7 +77,7 @@ CORE_SOURCE = textwrap.dedent(
         backend: Literal["sparse", "cake"] = "sparse",
     ):
         raise RuntimeError("the compiled kernel: never called")
-    '''
+    """
 )
 HEADS, DIM = 8, 16
 
@@ -165,7 +165,10 @@ def test_the_files_own_definitions_run(core):
 
 
 def test_a_kv_cache_format_outside_the_files_literal_is_refused(core):
-    with core.installed(), pytest.raises(ValueError, match=r"kv_cache_format='fp8_ds_mla'; accepted: \('fp8', 'nvfp4'\)"):
+    with (
+        core.installed(),
+        pytest.raises(ValueError, match=r"kv_cache_format='fp8_ds_mla'; accepted: \('fp8', 'nvfp4'\)"),
+    ):
         _call(core, lse_scale=1.0, kv_cache_format="fp8_ds_mla")
 
 
