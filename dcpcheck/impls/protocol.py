@@ -90,7 +90,10 @@ class KnownFailure:
     (``reason``, the expected failure's text) and how (``shows``, a regular
     expression the failure's text matches when this defect is the cause). A
     case marked with it that fails without a match fails: a known defect
-    explains its own failure and never hides another bug."""
+    explains its own failure and never hides another bug. Both are strings;
+    the harness matches ``shows`` in a child process with a time bound
+    (``dcpcheck.plugin.known_failures.MATCH_TIMEOUT_S``), so a pattern that
+    backtracks without bound fails its case rather than hanging it."""
 
     reason: str
     shows: str

@@ -8,6 +8,8 @@ one module per concern:
   skip, decided at collection;
 * :mod:`.runner`: the ``dcp`` fixture that runs a rank function on W ranks;
 * :mod:`.known_failures`: a known defect's case that fails otherwise fails;
+* :mod:`.impl_answers`: what the implementation gives the harness (its
+  attributes at session start, its answers before each case), checked;
 * :mod:`.stage_table`: the stage x outcome table at the end of a run.
 
 Every skip is decided before any rank is launched, from the options, the

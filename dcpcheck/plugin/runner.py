@@ -3,7 +3,6 @@ back into one pass, skip, expected failure or failure message."""
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import traceback
@@ -11,7 +10,7 @@ import traceback
 import pytest
 
 from dcpcheck.case_terms import case_terms
-from dcpcheck.impls.protocol import KnownFailure
+from dcpcheck.plugin.impl_answers import AnswerError, plain_answer
 from dcpcheck.plugin.known_failures import declare
 from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
@@ -152,9 +151,10 @@ class DcpRunner:
         return None, defect, failure
 
     def _ask(self, method: str, terms, timeout: float) -> tuple:
-        """-> (the implementation's answer to ``method(terms)``, None), or
-        (None, why asking failed): it raised, or did not return within the
-        case timeout (its stack then says where it hangs)."""
+        """-> (the implementation's answer to ``method(terms)``, as plain data,
+        None), or (None, why asking failed): it raised, answered something of
+        the wrong kind, or did not return within the case timeout (its stack
+        then says where it hangs)."""
         from dcpcheck.ranks.rankfn import describe_exception
 
         ask = getattr(self.impl, method, None)
@@ -162,27 +162,19 @@ class DcpRunner:
             return None, None
         where = self.session.mode.answers_asked
         asked = f"{self.session.impl_spec}.{method}(terms)"
-        answer = ThreadedCall(ask, terms)
+        answer = ThreadedCall(plain_answer, method, ask, terms)
         if not answer.finished(timeout):
             return None, (
                 f"{asked} did not return within {timeout:g} s (it is asked before launch, {where}); "
                 f"its stack:\n{answer.stack()}"
             )
         try:
-            value = answer.result()
+            return answer.result(), None
+        except AnswerError as exc:
+            return None, f"{asked} {exc}"
         except Exception as exc:  # noqa: BLE001 - the implementation's error fails this test, naming it
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
             return None, f"{asked} raised {describe_exception(exc)} (it is asked before launch, {where})\n{trace}"
-        if isinstance(value, KnownFailure):
-            try:
-                re.compile(value.shows)
-            except re.error as exc:
-                return (
-                    None,
-                    f"{asked} returned a KnownFailure whose shows {value.shows!r} is not a regular expression: {exc}",
-                )
-            return value, None
-        return (str(value) if value else None), None
 
     def _record_worst_errors(self, values: list) -> None:
         for key in WORST_ERROR_KEYS:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from dcpcheck.plugin.impl_answers import declaration_error, raised_while_loading
 from dcpcheck.plugin.options import (
     case_timeout,
     resolve_device,
@@ -120,6 +121,11 @@ def pytest_configure(config):
         impl = load_implementation(spec)
     except ImplSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - an attribute of the implementation raising as the registry reads it
+        raise pytest.UsageError(raised_while_loading(spec, exc)) from None
+    unreadable = declaration_error(spec, impl)
+    if unreadable:
+        raise pytest.UsageError(unreadable)
 
     session = DcpSession(
         spec,

@@ -24,7 +24,50 @@ def test_two_only(dcp):
     dcp.run(one)
 """
 
+RAISING_ATTRIBUTES_IMPL = """
+from dcpcheck.impls.conventions import Conventions
+
+
+class Readable:
+    name = "readable"
+
+    def filter_index(self, *args, **kwargs):
+        pass
+
+
+class RaisingCombine(Readable):
+    @property
+    def combine(self):
+        raise RuntimeError("combine is built on first use")
+
+
+class RaisingFilterIndex:  # the only capability: read while the implementation loads
+    @property
+    def filter_index(self):
+        raise RuntimeError("filter_index is built on first use")
+
+
+class RaisingName(Readable):
+    @property
+    def name(self):
+        raise RuntimeError("no name before the model loads")
+
+
+class LateConventions:
+    def __getattr__(self, field):  # the defaults, but for the one below
+        return getattr(Conventions(), field)
+
+    @property
+    def filter_takes_ratio(self):
+        raise RuntimeError("the ratio is known once the model loads")
+
+
+class RaisingConvention(Readable):
+    conventions = LateConventions()
+"""
+
 BROKEN_IMPLS = {
+    "raising_attributes.py": RAISING_ATTRIBUTES_IMPL,
     "syntax_error.py": "class Impl:\n    def combine(self\n",
     "raises_at_import.py": "raise RuntimeError('no licence server')\n",
     "raising_constructor.py": (
@@ -53,6 +96,30 @@ CASES = [
         ["--dcp-impl", "raising_constructor.py:Impl"],
         {},
         "calling Impl() raised ValueError: needs a GPU",
+    ),
+    (
+        "capability property raising",
+        ["--dcp-impl", "raising_attributes.py:RaisingCombine"],
+        {},
+        "reading its `combine` raised RuntimeError: combine is built on first use",
+    ),
+    (
+        "only capability property raising",
+        ["--dcp-impl", "raising_attributes.py:RaisingFilterIndex"],
+        {},
+        "raised RuntimeError: filter_index is built on first use (in filter_index, raising_attributes.py:",
+    ),
+    (
+        "name property raising",
+        ["--dcp-impl", "raising_attributes.py:RaisingName"],
+        {},
+        "reading its `name` raised RuntimeError: no name before the model loads",
+    ),
+    (
+        "convention property raising",
+        ["--dcp-impl", "raising_attributes.py:RaisingConvention"],
+        {},
+        "reading its `conventions.filter_takes_ratio` raised RuntimeError: the ratio is known once the model loads",
     ),
     ("superscript stage digit", [], {"DSV41_DCP_STAGE": "³"}, "DSV41_DCP_STAGE='³' is not a stage"),
     ("arabic-indic stage digit", [], {"DSV41_DCP_STAGE": "٣"}, "DSV41_DCP_STAGE='٣' is not a stage"),
