@@ -47,11 +47,6 @@ NO_COVERAGE = "coverage.py is not installed: pip install -e '.[coverage]'"
 # "unexplained": either a test is missing or a reason is.
 REASONS: tuple[tuple[str, str, str], ...] = (
     (
-        "_sm120_sparse_attention_with_lse",
-        r"",
-        "FlashInfer's SM120 kernel: needs SM120 (dcpcheck runs its reference kernel in this helper's place)",
-    ),
-    (
         "_run_sm120_dcp",
         r"\bev\[|torch\.cuda\.Event|elapsed_time|\bacc\b|acc\[|_dsv41_prefill_acc_add|logger\.info\(|^if prefill_timing:",
         "timing diagnostics: CUDA events (DSV41_DCP_TIMING=1 or the DCP2 stack's prefill timing)",

@@ -35,7 +35,7 @@ import os
 import torch
 
 from dcpcheck.impls.conventions import Conventions
-from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving
+from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving, stand_ins
 from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
@@ -108,7 +108,7 @@ class Dsv41Implementation:
             if self.findings.swa_placement is None
             else "replicated, as the port reads it (the tree's spec shards it: finding 5)"
         )
-        return " | ".join(
+        first = " | ".join(
             (
                 tree,
                 f"kernel: {self.kernel}",
@@ -118,6 +118,11 @@ class Dsv41Implementation:
                 *self.vllm.stand_ins,
             )
         )
+        served = (
+            f"served as: KV cache format bf16 (vLLM's default fp8_ds_mla: stand-in below) | SWA pages of 1 token | "
+            f"top-k width {INDEX_TOPK} | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
+        )
+        return "\n".join([first, served, *stand_ins.header_lines(self)])
 
     @property
     def prefill_chunk_size(self) -> int:

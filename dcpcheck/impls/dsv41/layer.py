@@ -42,6 +42,7 @@ import types
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
 from dcpcheck.spies import environments
 
@@ -118,10 +119,14 @@ def attention_base(cls):
     return next(klass for klass in cls.__mro__[1:] if klass.__name__ == "DeepseekV4Attention")
 
 
-def _run_tree_init_head(tree_init, layer, vllm_config, prefix: str, topk_indices_buffer) -> None:
-    """The tree's ``DeepseekV4Attention.__init__`` on ``layer``, up to the attention sink."""
+def _run_tree_init_head(tree_init, layer, vllm_config, prefix: str, topk_indices_buffer, group) -> None:
+    """The tree's ``DeepseekV4Attention.__init__`` on ``layer``, up to the attention sink
+    (its DCP group, should it ask for one, ``group``)."""
     base_module = sys.modules[tree_init.__module__]
-    with patched(base_module, get_tensor_model_parallel_world_size=lambda: 1, make_attention_sink=_stop_at_weights):
+    dcp_group = {"get_dcp_group": lambda: group} if hasattr(base_module, "get_dcp_group") else {}
+    with patched(
+        base_module, get_tensor_model_parallel_world_size=lambda: 1, make_attention_sink=_stop_at_weights, **dcp_group
+    ):
         try:
             tree_init(layer, vllm_config, prefix, topk_indices_buffer)
         except _WeightsReached:
@@ -132,9 +137,9 @@ def _run_tree_init_head(tree_init, layer, vllm_config, prefix: str, topk_indices
     )
 
 
-def tree_refusal(tree: PortTree, rho: int) -> str | None:
-    """What the tree's ``DeepseekV4Attention.__init__`` says of a layer of compress ratio ``rho``
-    (its own kv and index source), or None if it takes it."""
+def _init_head_layer(tree: PortTree, rho: int):
+    """A bare layer of compress ratio ``rho`` (its own kv and index source) after the tree's
+    ``DeepseekV4Attention.__init__`` up to the sink; raises what that ``__init__`` raises."""
     cls = getattr(tree.module({}), tree.spec.cls)
     sources = (0,) if rho else ()
     topology = types.SimpleNamespace(
@@ -147,11 +152,25 @@ def tree_refusal(tree: PortTree, rho: int) -> str | None:
         max_model_len=1,
         hf_config=_hf_config(topology, local_heads=8, head_dim=64, window=8),
     )
+    layer = cls.__new__(cls)
+    single = types.SimpleNamespace(world_size=1, rank_in_group=0, device=torch.device("cpu"))
+    _run_tree_init_head(attention_base(cls).__init__, layer, config, "model.layers.0.attn", None, single)
+    return layer
+
+
+def tree_refusal(tree: PortTree, rho: int) -> str | None:
+    """What the tree's ``DeepseekV4Attention.__init__`` says of a layer of compress ratio ``rho``, or None."""
     try:
-        _run_tree_init_head(attention_base(cls).__init__, cls.__new__(cls), config, "model.layers.0.attn", None)
+        _init_head_layer(tree, rho)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def tree_dcp_attributes(tree: PortTree) -> set[str]:
+    """Which of the DCP attributes the port reads the tree's ``DeepseekV4Attention.__init__`` sets."""
+    layer = _init_head_layer(tree, 1)
+    return {name for name in DCP_ATTRIBUTES if name in vars(layer)}
 
 
 def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
@@ -238,7 +257,7 @@ def build_port_layer(
     )
 
     def weightless_init(self, vllm_config, prefix, topk_indices_buffer=None, **kwargs):
-        _run_tree_init_head(tree_init, self, vllm_config, prefix, topk_indices_buffer)
+        _run_tree_init_head(tree_init, self, vllm_config, prefix, topk_indices_buffer, group)
         sink = torch.full((self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device)
         sink[: spec.local_heads] = spec.sink.float()
         self.attn_sink = torch.nn.Parameter(sink, requires_grad=False)
@@ -251,10 +270,15 @@ def build_port_layer(
             None if self.compress_ratio == 0 else base_module._replace_layer_index(prefix, self.kv_source_layer_id)
         )
         self.swa_cache_layer = types.SimpleNamespace(kv_cache=None, prefix=f"{prefix}.swa_cache")
-        # What the DCP2 stack's base class adds (vLLM's own units).
-        self.dcp_world_size = group.world_size
-        self.dcp_rank = group.rank_in_group
-        self.cp_kv_cache_interleave_size = vllm_config.parallel_config.cp_kv_cache_interleave_size
+        # What the DCP2 stack's base class adds (vLLM's own units), where the tree's has not set it.
+        dcp = {
+            "dcp_world_size": group.world_size,
+            "dcp_rank": group.rank_in_group,
+            "cp_kv_cache_interleave_size": vllm_config.parallel_config.cp_kv_cache_interleave_size,
+        }
+        for name in DCP_ATTRIBUTES:
+            if name not in vars(self):
+                setattr(self, name, dcp[name])
 
     # The fp8 einsum recipe asserts a CUDA device; the reference kernel needs none.
     replacements = {
