@@ -44,6 +44,12 @@ MUTANTS = (
         patch=Patch("index.py", "dest = count[:, None] + tl.cumsum", "dest = k0 + tl.cumsum"),
     ),
     index_mutant(
+        name="TopkTilesCapped",
+        description="the top-k loop stops after 4 filter tiles (sized for a narrower checkpoint's index_topk): "
+        "rows of vLLM's DCP widths 1024 and 2048 lose their later ids",
+        patch=Patch("index.py", "    while k0 < top_k:\n", "    while k0 < tl.minimum(top_k, 4 * TILE):\n"),
+    ),
+    index_mutant(
         name="CountAllValidIds",
         description="count = every valid id of the row (the stage-9 remap's count), not the ids this rank owns",
         patch=Patch(

@@ -40,7 +40,15 @@ DSV41_CASES = [
     pytest.param(64, 64, 45, 2, 1, 4, id="I128-S64-bs64-K45-rho2", marks=DSV41_RATIO2),
     pytest.param(2, 128, 37, 1, 1, 50, id="I2-S2-bs128-K37-rho1-T72"),
 ]
-CASES = V40_CASES + DSV41_CASES
+# The top-k widths vLLM serves DSV4.1 at under DCP (its DCP top-k merge takes
+# index_topk 512, 1024 or 2048: model_executor/layers/sparse_attn_indexer.py,
+# _assert_cutedsl_dcp_merge_supported): rows of 4, 8 and 16 filter tiles.
+SERVED_TOPK_CASES = [
+    pytest.param(2, 128, 512, 1, 0, 4, id="I2-S2-bs128-K512-rho1"),
+    pytest.param(1, 64, 1024, 2, 1, 4, id="I2-S1-bs64-K1024-rho2", marks=DSV41_RATIO2),
+    pytest.param(64, 64, 2048, 2, 0, 4, id="I128-S64-bs64-K2048-rho2", marks=DSV41_RATIO2),
+]
+CASES = V40_CASES + DSV41_CASES + SERVED_TOPK_CASES
 
 
 @pytest.mark.parametrize("S, bs, K, rho, table_slack, num_decodes", CASES)

@@ -120,7 +120,7 @@ class Dsv41Implementation:
         )
         served = (
             f"served as: KV cache format bf16 (vLLM's default fp8_ds_mla: stand-in below) | SWA pages of 1 token | "
-            f"top-k width {INDEX_TOPK} | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
+            f"top-k width {INDEX_TOPK} (vLLM serves {', '.join(map(str, stand_ins.served_topk_widths()))} under DCP) | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
         )
         return "\n".join([first, served, *stand_ins.header_lines(self)])
 

@@ -42,16 +42,16 @@ import types
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES
+from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES, served_topk_widths
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
 from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
 # The HF config's index_topk, the top-k buffer's width (nvidia/model.py sizes
 # it [max_num_batched_tokens, index_topk]; the metadata builder reads it too).
-# A checkpoint value the tree has no default for: two filter tiles, so every
-# row takes vLLM's multi-tile filter path, as a served checkpoint's does.
-INDEX_TOPK = 2 * TOPK_TILE
+# A checkpoint value the tree has no default for: the narrowest one vLLM serves
+# under DCP (4 filter tiles at 0.33.0's 512).
+INDEX_TOPK = served_topk_widths()[0]
 NULL_PAGE = 0
 COMBINE_ENV = "DSV41_DCP_COMBINE"
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"

@@ -11,8 +11,11 @@ its ``suite`` text). The run header prints every entry (:func:`header_lines`).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,35 @@ TIMING_NAMES = ("_PREFILL_TIMING", "_PrefillTimer", "prefill_acc_add")
 TIMING_MODULE = "vllm.model_executor.kernels.attention.dsa.candidate_blocks"
 METADATA_MODULE = "vllm.models.deepseek_v41.sparse_mla"
 DCP_ATTRIBUTES = ("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size")
+INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+TOPK_MERGE_CHECK = "_assert_cutedsl_dcp_merge_supported"  # refuses an index_topk it cannot merge under DCP
+
+
+class StandInError(ImportError):
+    """The tree lacks what dcpcheck reads a served parameter from (a usage error, as a missing module is)."""
+
+
+@functools.cache
+def served_topk_widths() -> tuple[int, ...]:
+    """The index_topk widths the tree's DCP top-k merge accepts: the tuple of its ``k not in (...)``
+    check, read from the indexer's source (importing it needs CUDA kernels)."""
+    spec = importlib.util.find_spec(INDEXER_MODULE)
+    path = Path(spec.origin) if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise StandInError(f"no {INDEXER_MODULE} to read the served top-k widths from")
+    check = next(
+        (node for node in ast.walk(ast.parse(path.read_text())) if getattr(node, "name", None) == TOPK_MERGE_CHECK),
+        None,
+    )
+    for node in ast.walk(check) if check else ():
+        if isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.NotIn):
+            widths = ast.literal_eval(node.comparators[0])
+            if isinstance(widths, tuple) and widths and all(isinstance(width, int) for width in widths):
+                return tuple(sorted(widths))
+    raise StandInError(
+        f"{path}: no {TOPK_MERGE_CHECK} with a 'k not in (widths)' check, where dcpcheck reads the top-k "
+        "widths vLLM serves under DCP"
+    )
 
 
 @dataclass(frozen=True)
@@ -122,7 +154,8 @@ MANIFEST = (
     StandIn(
         "the checkpoint's index_topk",
         "the HF config (models/deepseek_v41/nvidia/model.py sizes topk_indices_buffer by it)",
-        "two filter tiles (dcpcheck/impls/dsv41/layer.py INDEX_TOPK)",
+        "the narrowest width the tree's DCP top-k merge accepts (model_executor/layers/sparse_attn_indexer.py "
+        f"{TOPK_MERGE_CHECK}; stage 1 runs the wider ones)",
     ),
     StandIn(
         "the SM120 config check",
