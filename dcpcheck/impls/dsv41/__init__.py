@@ -20,7 +20,7 @@ Capabilities:
   gathered cache and remapped top-k read out (:mod:`dcpcheck.impls.dsv41.prefill`);
   the layer's forward makes that call itself (``fused_prefill``);
 * ``build_attention`` — the stage gate of the tree's metadata builder, then a
-  layer whose forward is the real ``_forward_sparse_impl``
+  layer entered through its real ``forward_mqa``
   (:mod:`dcpcheck.impls.dsv41.driver`).
 
 The port fuses its stage-3 steps into ``_run_sm120_dcp``, so

@@ -3,6 +3,8 @@ the shared top-k buffer, cache views; see :mod:`.layer` for what is modelled."""
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ from dcpcheck.impls.dsv41.layer import (
     padded_topk_width,
 )
 from dcpcheck.impls.dsv41.serving import build_compressed_metadata
-from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins
+from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
 
 
 @dataclass
@@ -285,6 +287,22 @@ class PortAttention:
         mirror.copy_(cache)
         return mirror.view(shape)
 
+    @staticmethod
+    def _forward_context(layer, plan: StepMetadata, comp):
+        """What ``forward_mqa`` finds, as vLLM's runner leaves it: the step's metadata dict (each
+        of the layer's cache prefixes to its group's one object, ``v1/worker/gpu_model_runner.py``)
+        and the compressed cache bound on its kv source (``bind_kv_cache``), which a layer reading
+        another source's cache looks up in the static forward context by that source's prefix."""
+        attn_metadata = {layer.swa_cache_layer.prefix: plan.swa}
+        if layer.compressed_cache_prefix is not None:
+            attn_metadata[layer.compressed_cache_prefix] = plan.compressed
+            if layer.is_kv_source:
+                layer.kv_cache = comp
+            else:
+                layer._static_forward_context = {layer.compressed_cache_prefix: types.SimpleNamespace(kv_cache=comp)}
+        module = sys.modules[type(layer).__module__]
+        return patched(module, get_forward_context=lambda: types.SimpleNamespace(attn_metadata=attn_metadata))
+
     def forward(
         self,
         plan: StepMetadata,
@@ -323,16 +341,8 @@ class PortAttention:
         layer.swa_cache_layer.kv_cache = self._mirror(swa_cache, (swa_cache.shape[0], 1, head_dim))
         comp = None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
         output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
-        with cuda_query_stand_ins():
-            layer._forward_sparse_impl(
-                q=q[order].to(torch.bfloat16),
-                output=output,
-                flashmla_metadata=plan.compressed,
-                swa_metadata=plan.swa,
-                self_kv_cache=comp,
-                swa_kv_cache=layer.swa_cache_layer.kv_cache,
-                swa_only=self.rho == 0,
-            )
+        with cuda_query_stand_ins(), self._forward_context(layer, plan, comp):
+            layer.forward_mqa(q[order].to(torch.bfloat16), None, None, output)
         result = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         result[order] = output[:, : q.shape[1]].to(q.dtype)
         return result

@@ -28,8 +28,11 @@ shared by every layer of the layout, as vLLM shares it per KV group:
 * bf16 q and caches (the port asserts bf16 q), the caches mirrored once per
   suite cache so their addresses stay fixed across layers and steps.
 
-Then ``_forward_sparse_impl`` runs: ``_forward_decode`` / ``_forward_prefill``
-with the port's helpers and the tree's own vLLM functions.
+Then the layer is entered where vLLM's model enters it, ``forward_mqa``: its
+metadata lookup by cache prefix in the forward context, its compressed cache
+through ``kv_cache`` (a kv source) or the static forward context (a reader of
+another source's cache), then ``_forward_sparse_impl``: ``_forward_decode`` /
+``_forward_prefill`` with the port's helpers and the tree's own vLLM functions.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ PORT_METHODS = (
     "_forward_decode",
     "_forward_prefill",
     "_forward_sparse_impl",
+    "forward_mqa",
 )
 # Module-level names the layer reaches for its kernels and its DCP group.
 SM120_WRAPPER = "_sm120_sparse_attention_with_lse"  # the seed's DCP path into FlashInfer's SM120 entry
