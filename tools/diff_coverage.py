@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cli_arguments import OneLineParser, file_problem, folder_problem  # tools/, beside this file
+
 PORT_FILE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"
 STAGES = ("stage1_index", "stage3_combine", "stage9_prefill", "e2e")
 STAGE_OF_CONTEXT = re.compile(r"tests[/.](" + "|".join(STAGES) + r")[/.]")
@@ -71,28 +73,6 @@ REASONS: tuple[tuple[str, str, str], ...] = (
 
 class UsageError(Exception):
     """A bad argument, found where it is used: main prints it as one line and exits 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line, as the plugin's are (argparse would print the usage first)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def folder_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be used or made as a folder to write in, else None."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def file_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be written as a file (its folder made as needed), else None."""
-    return f"{path} is a folder" if path.is_dir() else folder_problem(path.parent)
 
 
 def argument_problem(args) -> str | None:

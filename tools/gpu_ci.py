@@ -50,6 +50,8 @@ sys.path.insert(0, str(REPO))
 # Loaded as a pytest plugin (PLUGIN) before the suite's conftest loads dcpcheck's: so
 # that pytest still rewrites that plugin's asserts (and warns of nothing), it is told first.
 pytest.register_assert_rewrite("dcpcheck.plugin")
+from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
+
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
 from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES  # noqa: E402
@@ -467,28 +469,6 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line, as the plugin's are (argparse would print the usage first)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def folder_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be used or made as a folder to write in, else None."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def file_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be written as a file (its folder made as needed), else None."""
-    return f"{path} is a folder" if path.is_dir() else folder_problem(path.parent)
 
 
 def bad_seconds(value: float) -> bool:
