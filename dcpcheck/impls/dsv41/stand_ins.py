@@ -34,12 +34,20 @@ class StandInError(ImportError):
     """The tree lacks what dcpcheck reads a served parameter from (a usage error, as a missing module is)."""
 
 
+def _vllm_source(module: str) -> Path | None:
+    """The file of a vLLM module, found without importing its packages (on CUDA they import
+    compiled extensions before dcpcheck's stand-ins for them are in place)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)), *module.split(".")[1:]).with_suffix(".py")
+
+
 @functools.cache
 def served_topk_widths() -> tuple[int, ...]:
     """The index_topk widths the tree's DCP top-k merge accepts: the tuple of its ``k not in (...)``
     check, read from the indexer's source (importing it needs CUDA kernels)."""
-    spec = importlib.util.find_spec(INDEXER_MODULE)
-    path = Path(spec.origin) if spec and spec.origin else None
+    path = _vllm_source(INDEXER_MODULE)
     if path is None or not path.is_file():
         raise StandInError(f"no {INDEXER_MODULE} to read the served top-k widths from")
     check = next(
