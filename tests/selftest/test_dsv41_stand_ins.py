@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SEED_DIFF = ROOT.parent / "shared" / "seeds" / "002_ce6637cb7dfa2225.txt"
 ATTENTION = "vllm/models/deepseek_v41/attention.py"
 DISTRIBUTED_IMPORT = "from vllm.distributed import get_pcp_group, get_tensor_model_parallel_world_size\n"
 SINK_LINE = "        self.attn_sink = make_attention_sink(self.padded_heads, torch.float32)\n"
@@ -40,14 +41,20 @@ impl = Dsv41Implementation()
 print(json.dumps({"line": MANIFEST[1].line(impl), "read_unit": impl.findings.read_unit}))
 """
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="needs vLLM on CPU (tools/install_vllm_cpu.sh); .ci/run runs this file after installing it",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="needs vLLM on CPU (tools/install_vllm_cpu.sh); .ci/run runs this file after installing it",
+    ),
+    pytest.mark.skipif(
+        not SEED_DIFF.is_file(), reason=f"needs the seed diff at {SEED_DIFF} (shared/ beside the checkout)"
+    ),
+]
 
 
 def _tree(folder: Path, stack_sets_dcp: bool) -> Path:
-    subprocess.run([str(ROOT / "tools" / "build_dsv41_tree.sh"), str(folder)], check=True, capture_output=True)
+    build = [str(ROOT / "tools" / "build_dsv41_tree.sh"), str(folder), str(SEED_DIFF), sys.prefix]
+    subprocess.run(build, check=True, capture_output=True)
     if stack_sets_dcp:
         attention = folder / ATTENTION
         source = attention.read_text()

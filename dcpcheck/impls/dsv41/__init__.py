@@ -40,11 +40,11 @@ from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.layer import (
-    INDEX_TOPK,
     TOPK_TILE,
     LayerSpec,
     build_port_layer,
     check_stage_gate,
+    index_topk,
     tree_refusal,
 )
 from dcpcheck.impls.dsv41.serving import ServingFindings
@@ -76,6 +76,7 @@ class Dsv41Implementation:
 
         self.vllm = VllmImplementation()  # sets up triton for vLLM on CPU; the tree's own functions
         self.tree = PortTree(PortSpec.parse(spec))
+        index_topk()  # read from the tree's indexer now: a tree without it is a usage error at start
         self.kernel = self.tree.kernel
         self._port_layers: dict[tuple, object] = {}
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
@@ -120,7 +121,7 @@ class Dsv41Implementation:
         )
         served = (
             f"served as: KV cache format bf16 (vLLM's default fp8_ds_mla: stand-in below) | SWA pages of 1 token | "
-            f"top-k width {INDEX_TOPK} (vLLM serves {', '.join(map(str, stand_ins.served_topk_widths()))} under DCP) | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
+            f"top-k width {index_topk()} (vLLM serves {', '.join(map(str, stand_ins.served_topk_widths()))} under DCP) | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
         )
         return "\n".join([first, served, *stand_ins.header_lines(self)])
 
@@ -153,7 +154,7 @@ class Dsv41Implementation:
         buffer = self._topk_buffers.get(device)
         if buffer is None:
             buffer = torch.full(
-                (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK),
+                (MAX_NUM_BATCHED_TOKENS, index_topk()),
                 -1,
                 dtype=torch.int32,
                 device=device,

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.dsv41.layer import (
-    INDEX_TOPK,
     NULL_PAGE,
     LayerSpec,
     build_port_layer,
+    index_topk,
     padded_topk_width,
 )
 from dcpcheck.impls.dsv41.serving import build_compressed_metadata
@@ -217,7 +217,7 @@ class PortAttention:
             block_table=wide,
             token_to_req=token_to_req_new,
             num_actual_tokens=int(valid.sum()),
-            topk_tokens=INDEX_TOPK,
+            topk_tokens=index_topk(),
         )
         if not hasattr(compressed, "seq_lens"):
             # The port's stage-9 gather reads attn_metadata.seq_lens, a field the

@@ -50,11 +50,16 @@ from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, pa
 from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
-# The HF config's index_topk, the top-k buffer's width (nvidia/model.py sizes
-# it [max_num_batched_tokens, index_topk]; the metadata builder reads it too).
-# A checkpoint value the tree has no default for: the narrowest one vLLM serves
-# under DCP (4 filter tiles at 0.33.0's 512).
-INDEX_TOPK = served_topk_widths()[0]
+
+
+def index_topk() -> int:
+    """The HF config's index_topk, the top-k buffer's width (nvidia/model.py sizes
+    it [max_num_batched_tokens, index_topk]; the metadata builder reads it too).
+    A checkpoint value the tree has no default for: the narrowest one vLLM serves
+    under DCP (4 filter tiles at 0.33.0's 512)."""
+    return served_topk_widths()[0]
+
+
 NULL_PAGE = 0
 COMBINE_ENV = "DSV41_DCP_COMBINE"
 PREFILL_GATHER_ENV = "DSV41_DCP_PREFILL_GATHER"

@@ -22,7 +22,7 @@ import torch
 
 from dcpcheck.impls.dsv41.combine import run_step
 from dcpcheck.impls.dsv41.kernel_calls import kernel_call_finding
-from dcpcheck.impls.dsv41.layer import INDEX_TOPK, LayerSpec, attention_base, build_port_layer
+from dcpcheck.impls.dsv41.layer import LayerSpec, attention_base, build_port_layer, index_topk
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortTree, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
 
@@ -360,7 +360,7 @@ def gather_geometry_reads(build_layer) -> tuple[int, int]:
         )
         for rho in set(GEOMETRY_STACK)
     }
-    topk = torch.full((GEOMETRY_ROWS, INDEX_TOPK), -1, dtype=torch.int32, device=device)
+    topk = torch.full((GEOMETRY_ROWS, index_topk()), -1, dtype=torch.int32, device=device)
     topk[:, 0] = 0
     cache = torch.zeros(PROBE_TABLE_WIDTH + 1, GEOMETRY_PAGE_STATES, 64, dtype=torch.bfloat16, device=device)
     layers = [build_layer(0, rho) for rho in GEOMETRY_STACK]
@@ -415,7 +415,7 @@ def _head_count_layer(tree: PortTree, world_size: int, local_heads: int):
         head_dim=64,
         window=128,
         sink=torch.zeros(local_heads),
-        topk_buffer=torch.full((PROBE_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=device),
+        topk_buffer=torch.full((PROBE_TOKENS, index_topk()), -1, dtype=torch.int32, device=device),
         max_num_batched_tokens=PROBE_TOKENS,
         max_model_len=4096,
     )
