@@ -40,7 +40,7 @@ from dcpcheck.ranks.procstate import describe_exit, describe_process, process_st
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
 from dcpcheck.ranks.reaper import kill_tree
 from dcpcheck.ranks.worker import STACK_SIGNAL, log_path, stacks_path
-from dcpcheck.ranks.zygote_server import ForkedZygote, ZygoteServerGone, ZygoteServers
+from dcpcheck.ranks.zygote_server import ForkedZygote, ZygoteServerGone, ZygoteServerNotAnswering, ZygoteServers
 
 STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
@@ -91,6 +91,7 @@ class RankPool:
         self.zygote_conn: Connection | None = None
         self.conns: dict[int, Connection] = {}
         self.pids: dict[int, int] = {}
+        self.joining: dict[Connection, int] = {}  # during start-up: the ranks connected and not yet in their group
         self.exit_codes: dict[int, int] = {}
         self.tmpdir: Path | None = None
         # Where start() spent its time: pool_start_s (all of it), and the
@@ -101,12 +102,16 @@ class RankPool:
     @property
     def alive(self) -> bool:
         """No process of the pool has exited, and no rank's connection is
-        readable: between cases a rank sends nothing, so one that is has hung up."""
+        readable: between cases a rank sends nothing, so one that is has hung up.
+        A server that did not answer is no ended pool: its ZygoteServerNotAnswering
+        goes to the caller, and fails the case that waited on it."""
         self._collect_exits()
         try:
             if self.zygote is None or self.zygote.poll() is not None or self.exit_codes:
                 return False
             return not any(conn.poll(0) for conn in self.conns.values())
+        except ZygoteServerNotAnswering:
+            raise
         except (OSError, ZygoteServerGone):
             return False
 
@@ -184,11 +189,11 @@ class RankPool:
                 self.zygote_conn = conn
             else:
                 self.conns[message.rank], self.pids[message.rank] = conn, message.pid
-        waiting = {conn: rank for rank, conn in self.conns.items()}
-        while waiting:  # in whatever order the ranks get ready: one that fails is heard at once
+                self.joining[conn] = message.rank
+        while self.joining:  # in whatever order the ranks get ready: one that fails is heard at once
             self._check_started(started, "ready")
-            for conn in wait(list(waiting), timeout=0.2):
-                message = self._recv_startup(conn, started, "ready", rank=waiting.pop(conn))
+            for conn in wait(list(self.joining), timeout=0.2):
+                message = self._recv_startup(conn, started, "ready", rank=self.joining.pop(conn))
                 for phase, seconds in message.startup.items():
                     self.startup[phase] = max(seconds, self.startup.get(phase, 0.0))
 
@@ -226,9 +231,27 @@ class RankPool:
         if zygote_code is not None:
             what.append(f"the zygote {describe_exit(zygote_code)}")
         if not what and time.perf_counter() - started > self.startup_timeout:
-            what.append(f"timed out (--dcp-startup-timeout {self.startup_timeout:g} s)")
+            what.append(
+                f"timed out (--dcp-startup-timeout {self.startup_timeout:g} s) waiting for " + self._waited_for()
+            )
         if what:
             self._startup_failed(started, phase, what)
+
+    def _waited_for(self) -> str:
+        """What start-up still waits for, then what ``/proc`` shows each of those processes doing."""
+        waited, doing = [], []
+        unconnected = [rank for rank in range(self.world_size) if rank not in self.conns]
+        joining = sorted(self.joining.values())
+        if self.zygote_conn is None:
+            waited.append("the zygote to connect")
+        if unconnected:
+            waited.append(f"ranks {unconnected} to connect")
+        if joining:
+            waited.append(f"ranks {joining} to join their group")
+        if self.zygote_conn is None or unconnected:  # the zygote forks the ranks
+            doing.append(f"the zygote {describe_process(self.zygote.pid)}")
+        doing += [f"rank {rank} {describe_process(self.pids[rank])}" for rank in joining]
+        return ", ".join(waited) + ": " + ", ".join(doing)
 
     def _describe_start_exit(self, rank: int, code: int) -> str:
         """How a rank that exited during start-up ended, with the error it sent, if any."""
@@ -287,9 +310,9 @@ class RankPool:
             except ProcessLookupError:
                 pass
             try:
-                self.zygote.wait()
-            except ZygoteServerGone:
-                pass  # the server's death ended the zygote, and init reaped it
+                self.zygote.wait(STOP_WAIT_S)  # killed, it ends at once, unless in an uninterruptible wait
+            except (subprocess.TimeoutExpired, ZygoteServerGone):
+                pass  # stuck in the kernel, or ended by its server's death (and reaped by init)
             self.zygote = None
         for conn in list(self.conns.values()) + [self.zygote_conn]:
             if conn is not None:

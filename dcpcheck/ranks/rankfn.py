@@ -146,7 +146,7 @@ def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
         compile_clock.install()
     compiled_before = compile_clock.seconds()
     with inputs_read_only(ctx.impl, ctx.rank) as guard:
-        outcome = _run(fn, ctx, CaseState(ctx.seed))
+        outcome = _run(fn, ctx, CaseState(ctx.seed, ctx.group))
     if guard.violations:  # first: a mismatch after it is likely its consequence
         outcome.ok = False
         outcome.error = guard.error() + ("\n" + outcome.error if outcome.error else "")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
-from dcpcheck.ranks.zygote_server import ZygoteServers
+from dcpcheck.ranks.zygote_server import ZygoteServerNotAnswering, ZygoteServers
 
 # What every zygote and its ranks import, imported once by the zygote server
 # they are forked from (dcpcheck/ranks/zygote_server.py): torch, and pytest,
@@ -34,7 +34,8 @@ class SpawnedRanks:
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
         self.pools: dict[int, RankPool] = {}
-        self.zygotes = ZygoteServers(ZYGOTE_PRELOAD, startup_timeout)
+        # A server answers within --dcp-timeout, beyond what it was asked to wait.
+        self.zygotes = ZygoteServers(ZYGOTE_PRELOAD, startup_timeout, answer_timeout=case_timeout)
         # world size -> why its pool could not start: not tried again in this
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
@@ -43,8 +44,12 @@ class SpawnedRanks:
         """-> (the pool for ``world_size``, whether it was started now: it had
         none or its ranks died)."""
         pool = self.pools.get(world_size)
-        if pool is not None and pool.alive:
-            return pool, False
+        try:
+            if pool is not None and pool.alive:
+                return pool, False
+        except ZygoteServerNotAnswering:
+            self._discard(world_size)  # its server was killed: what it leaves of the pool goes too
+            raise
         if pool is not None:
             pool.kill()  # whatever is left of it: the zygote, surviving ranks, the temporary directory
         if world_size in self.start_failures:

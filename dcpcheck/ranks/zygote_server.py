@@ -15,7 +15,9 @@ signal when pytest dies and its zygotes get theirs when the server dies
 ends its pool. The server reaps its zygotes, so pytest learns how one exited
 by asking (:class:`ForkedZygote` answers as much of ``subprocess.Popen`` as a
 pool uses). A server lives until :meth:`ZygoteServers.stop`, since its death
-ends every pool it forked.
+ends every pool it forked, or until it does not answer in time (stopped by a
+debugger, starved by the host): then it is killed, and the wait fails saying
+what ``/proc`` shows it doing.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from dcpcheck.ranks.launcher import LaunchError
-from dcpcheck.ranks.procstate import describe_exit
+from dcpcheck.ranks.procstate import describe_exit, describe_process
 from dcpcheck.ranks.reaper import die_with_parent
 
 PARENT_DEATH_SIGNAL = signal.SIGTERM  # the server's default action: end at once, and its zygotes get theirs
@@ -56,18 +58,28 @@ class ForkZygote:
     environ: dict[str, str]
     log: str
 
+    def asked(self) -> str:
+        return "to fork a zygote"
+
 
 @dataclass(frozen=True)
 class ExitCode:
     """How zygote ``pid`` exited (as ``Popen.returncode``), waiting at most
-    ``timeout`` seconds (``None``: until it does); ``None`` while it runs."""
+    ``timeout`` seconds; ``None`` while it runs."""
 
     pid: int
-    timeout: float | None
+    timeout: float
+
+    def asked(self) -> str:
+        return f"how zygote {self.pid} exited"
 
 
 class ZygoteServerGone(LaunchError):
     """The server ended, and with it every zygote it forked."""
+
+
+class ZygoteServerNotAnswering(ZygoteServerGone):
+    """The server did not answer in time, so it was killed, and with it every zygote it forked."""
 
 
 # ---- the server ---------------------------------------------------------------
@@ -111,16 +123,15 @@ def _fork_zygote(request: ForkZygote, conn: Connection) -> int:
     return pid
 
 
-def _exit_code(pid: int, timeout: float | None, reaped: dict[int, int]) -> int | None:
-    if pid not in reaped:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
-            if done:
-                reaped[pid] = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() >= deadline:
-                return None
+def _exit_code(pid: int, timeout: float, reaped: dict[int, int]) -> int | None:
+    deadline = time.monotonic() + timeout
+    while pid not in reaped:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            reaped[pid] = os.waitstatus_to_exitcode(status)
+        elif time.monotonic() >= deadline:
+            return None
+        else:
             time.sleep(0.01)
     return reaped[pid]
 
@@ -156,10 +167,12 @@ def main(argv=None) -> int:
 
 class ZygoteServer:
     """One server process, started with ``environ``; ``startup_timeout``
-    bounds its start-up (its imports)."""
+    bounds its start-up (its imports), ``answer_timeout`` (``--dcp-timeout``)
+    each answer, beyond what the request itself waits."""
 
-    def __init__(self, environ: dict[str, str], preload: list[str], startup_timeout: float):
+    def __init__(self, environ: dict[str, str], preload: list[str], startup_timeout: float, answer_timeout: float):
         started = time.perf_counter()
+        self.answer_timeout = answer_timeout
         ours, theirs = socket.socketpair()
         command = [
             sys.executable, "-m", "dcpcheck.ranks.zygote_server", "--fd", str(theirs.fileno()),
@@ -175,10 +188,12 @@ class ZygoteServer:
         self.ending: str | None = None  # how it ended, once it has
         while not self.conn.poll(0.2):  # its ready message, or the end of its connection
             if time.perf_counter() - started > startup_timeout:
+                doing = describe_process(self.process.pid)  # before the kill: what kept it from starting
                 self.process.kill()  # stuck in its imports: nothing to wait for
                 self.stop()
                 raise ZygoteServerGone(
-                    f"the zygote server did not start within --dcp-startup-timeout {startup_timeout:g} s: {self.ending}"
+                    f"the zygote server {doing}: it did not start within --dcp-startup-timeout "
+                    f"{startup_timeout:g} s: {self.ending}"
                 )
         try:
             self.conn.recv()
@@ -188,15 +203,29 @@ class ZygoteServer:
                 f"the zygote server ended while it started, after {time.perf_counter() - started:.1f} s: {self.ending}"
             ) from None
 
-    def _ask(self, request):
+    def _ask(self, request, waits: float = 0.0):
+        """The answer to ``request``, which makes the server wait ``waits`` seconds."""
+        limit = waits + self.answer_timeout
         try:
             self.conn.send(request)
-            return self.conn.recv()
+            if self.conn.poll(limit):
+                return self.conn.recv()
         except (EOFError, OSError):
             self.stop()
             raise ZygoteServerGone(
                 f"the zygote server (pid {self.process.pid}) ended, and every pool it forked with it: {self.ending}"
             ) from None
+        raise self._not_answering(request, limit)
+
+    def _not_answering(self, request, limit: float) -> ZygoteServerNotAnswering:
+        """Kill the server, which did not answer ``request`` within ``limit`` seconds: -> what to raise."""
+        doing = describe_process(self.process.pid)  # before the kill: what kept it from answering
+        self.process.kill()
+        self.stop()
+        return ZygoteServerNotAnswering(
+            f"the zygote server {doing}: it did not answer {request.asked()} within {limit:g} s "
+            f"(--dcp-timeout {self.answer_timeout:g} s), so it was killed, and every pool it forked with it"
+        )
 
     @property
     def alive(self) -> bool:
@@ -206,8 +235,8 @@ class ZygoteServer:
         pid = self._ask(ForkZygote(argv, os.getcwd(), environ, log))
         return ForkedZygote(self, pid)
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        return self._ask(ExitCode(pid, timeout))
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        return self._ask(ExitCode(pid, timeout), waits=timeout)
 
     def stop(self) -> None:
         """Close its connection (it exits), kill it if it does not; note how it ended."""
@@ -240,7 +269,7 @@ class ForkedZygote:
             self.returncode = self.server.exit_code(self.pid, 0.0)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float) -> int:
         if self.returncode is None:
             self.returncode = self.server.exit_code(self.pid, timeout)
             if self.returncode is None:
@@ -251,8 +280,8 @@ class ForkedZygote:
 class ZygoteServers:
     """The session's servers, one per environment a pool asks for."""
 
-    def __init__(self, preload: list[str], startup_timeout: float):
-        self.preload, self.startup_timeout = preload, startup_timeout
+    def __init__(self, preload: list[str], startup_timeout: float, answer_timeout: float):
+        self.preload, self.startup_timeout, self.answer_timeout = preload, startup_timeout, answer_timeout
         self.servers: dict[frozenset, ZygoteServer] = {}
 
     def fork(self, argv: list[str], *, environ: dict[str, str], log: str) -> ForkedZygote:
@@ -261,7 +290,7 @@ class ZygoteServers:
         if server is None or not server.alive:
             if server is not None:
                 server.stop()
-            server = self.servers[key] = ZygoteServer(environ, self.preload, self.startup_timeout)
+            server = self.servers[key] = ZygoteServer(environ, self.preload, self.startup_timeout, self.answer_timeout)
         return server.fork(argv, environ=environ, log=log)
 
     def stop(self) -> None:

@@ -183,3 +183,27 @@ def kill_the_zygote_server(ctx) -> None:
         os.kill(parent_pid(os.getppid()), signal.SIGKILL)
     sum_of_ranks(ctx)
     time.sleep(3600)
+
+
+def stop_the_zygote_server(ctx, *, marker: str) -> None:
+    """Rank 0 stops (SIGSTOP) the process its pool's zygote was forked from,
+    as a debugger or an overloaded host does, and writes its pid to ``marker``;
+    the case itself needs nothing of it."""
+    if ctx.rank == 0:
+        server = parent_pid(os.getppid())
+        Path(marker).write_text(str(server))
+        os.kill(server, signal.SIGSTOP)
+
+
+def change_the_group(ctx) -> None:
+    """What a careless implementation does to the group object it was handed:
+    reassigns its world size and rank, deletes its CPU group."""
+    ctx.group.world_size = 1
+    ctx.group.rank_in_group = 5 + ctx.rank
+    del ctx.group.cpu_group
+
+
+def group_seen(ctx) -> tuple:
+    """What the next case finds of its group: its rank and world size, after a barrier through its CPU group."""
+    ctx.group.barrier()
+    return ctx.group.rank_in_group, ctx.group.world_size

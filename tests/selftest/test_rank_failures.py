@@ -10,9 +10,11 @@ import torch
 
 from tests.selftest.hostile import (
     change_global_state,
+    change_the_group,
     exit_after_reporting,
     exit_on_the_next_task,
     global_state_seen,
+    group_seen,
     raise_monsters,
     report_then_exit,
     stop_myself,
@@ -105,6 +107,15 @@ def test_case_that_changes_global_state_fails_and_the_next_starts_clean(dcp):
     first, again = dcp.run(global_state_seen), dcp.run(global_state_seen)
     assert first[0][:3] == (torch.float32, True, None)  # undone / put back
     assert first == again  # the global RNG is seeded from the case's seed, not left where the last case left it
+
+
+@pytest.mark.world_sizes(2)
+def test_case_that_changes_its_group_fails_naming_it_and_the_next_finds_the_group_as_it_was(dcp):
+    message, _ = _failure_message(dcp, change_the_group)
+    assert "failing ranks [0, 1]" in message and "[rank 1] LeakedStateError" in message, message
+    for change in ("group.cpu_group deleted", "group.rank_in_group 1 -> 6", "group.world_size 2 -> 1"):
+        assert change in message, message
+    assert dcp.run(group_seen) == [(0, 2), (1, 2)]
 
 
 @pytest.mark.world_sizes(2)

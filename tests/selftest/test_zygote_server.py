@@ -1,10 +1,13 @@
 """Pools are forked from one zygote server per session (``dcpcheck/ranks/zygote_server.py``):
 a zygote runs as a spawned one would, a fresh pool costs no new torch import,
-and a server that dies ends its pools and is replaced."""
+a server that dies ends its pools and is replaced, and one that stops answering
+fails the case that waited on it, and is killed."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +16,8 @@ import pytest
 from dcpcheck.ranks.procstate import parent_pid
 from dcpcheck.ranks.zygote_server import ZygoteServer, ZygoteServerGone
 from tests.selftest.hostile import kill_the_zygote_server
+from tests.selftest.inner import run_inner_pytest, write_session
+from tests.selftest.processes import alive, wait_until
 from tests.selftest.rank_functions import kill_rank, sum_of_ranks
 
 
@@ -77,7 +82,7 @@ def _server(tmp_path, module: str, source: str, startup_timeout: float = 60.0) -
     (tmp_path / f"{module}.py").write_text(source)
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     with pytest.raises(ZygoteServerGone) as gone:
-        ZygoteServer(environ, [module], startup_timeout)
+        ZygoteServer(environ, [module], startup_timeout, answer_timeout=60.0)
     return str(gone.value)
 
 
@@ -89,4 +94,46 @@ def test_a_server_failing_while_it_starts_says_why(tmp_path):
 
 def test_a_server_stuck_while_it_starts_is_ended_at_the_startup_timeout(tmp_path):
     message = _server(tmp_path, "planted_hang", "import time\ntime.sleep(600)", startup_timeout=1.0)
-    assert "the zygote server did not start within --dcp-startup-timeout 1 s" in message, message
+    # What /proc shows it doing: still importing, or in the planted sleep.
+    assert re.search(
+        r"the zygote server \(pid \d+\) is .*: it did not start within --dcp-startup-timeout 1 s", message
+    ), message
+
+
+STOPPED_SERVER_TESTS = """
+import pytest
+from tests.selftest.hostile import stop_the_zygote_server
+from tests.selftest.rank_functions import sum_of_ranks
+
+pytestmark = pytest.mark.world_sizes(1)
+
+def test_stops_the_server(dcp):
+    dcp.run(stop_the_zygote_server, marker="{marker}")
+
+def test_waits_on_the_stopped_server(dcp):
+    dcp.run(sum_of_ranks)
+
+def test_runs_on_a_new_server(dcp):
+    dcp.run(sum_of_ranks)
+"""
+ANSWER_TIMEOUT_S = 3  # the inner session's --dcp-timeout: how long the server may take to answer
+
+
+@pytest.mark.spawned_only
+def test_a_stopped_server_fails_the_case_that_waits_on_it_naming_it_and_leaves_nothing(tmp_path):
+    marker, scratch = tmp_path / "server", tmp_path / "tmp"
+    scratch.mkdir()
+    write_session(tmp_path, {"test_stopped.py": STOPPED_SERVER_TESTS.format(marker=marker)})
+    args = ["-rf", "--dcp-timeout", str(ANSWER_TIMEOUT_S)]
+    try:
+        code, output = run_inner_pytest(tmp_path, args, timeout=150, TMPDIR=str(scratch))
+    finally:
+        if marker.exists() and alive(int(marker.read_text())):  # a hung session must not leave it stopped
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    server = int(marker.read_text())
+    assert code == 1 and "1 failed, 2 passed" in output, output
+    assert "FAILED test_stopped.py::test_waits_on_the_stopped_server[W1]" in output, output
+    assert f"the zygote server (pid {server}) is stopped (SIGSTOP or SIGTSTP)" in output, output
+    assert f"within {ANSWER_TIMEOUT_S} s" in output, output
+    assert wait_until(lambda: not alive(server), 5), f"the stopped server {server} is left"
+    assert wait_until(lambda: not list(scratch.glob("dcpcheck-pool-*")), 5), list(scratch.iterdir())
