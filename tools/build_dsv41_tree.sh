@@ -4,28 +4,39 @@
 #   tools/build_dsv41_tree.sh OUT_DIR [DIFF] [VENV]
 #
 # OUT_DIR/vllm mirrors the vLLM installed in VENV (default .venv; install it
-# with tools/install_vllm_cpu.sh) as symlinks, except the patched file:
-# vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py with DIFF applied
-# (default: the seed diff in ../shared/seeds/, the DCP2 port users check).
-# Run the suite with PYTHONPATH=OUT_DIR so this tree shadows the installed one.
+# with tools/install_vllm_cpu.sh) as symlinks, except the files DIFF patches
+# or adds, which are real files (tools/apply_diff.py). DIFF (default: the seed
+# diff in ../shared/seeds/, the DCP2 port users check) is a diff of any number
+# of vLLM files, as git diff or git format-patch write it from vLLM's
+# repository (--- a/vllm/... +++ b/vllm/..., new files from /dev/null); the
+# seed's one file (baked-ours/models/deepseek_v4_1/...) maps to
+# vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py (apply_diff.py's
+# SEED_PATHS). A hunk that does not apply is an error naming its file and @@
+# line: exit 2, and no tree is left. A tree of your own is not built: run the
+# suite with PYTHONPATH=YOUR_TREE. Run the suite with PYTHONPATH=OUT_DIR so
+# this tree shadows the installed one.
 #
 # The seed diff imports three diagnostics-only names from the DCP2 stack's
 # version of model_executor/kernels/attention/dsa/candidate_blocks.py that
-# vLLM 0.33.0 lacks (_PREFILL_TIMING, _PrefillTimer, prefill_acc_add); the
-# copy of that file gets no-op definitions of them (timing off), marked as such.
+# vLLM 0.33.0 lacks (_PREFILL_TIMING, _PrefillTimer, prefill_acc_add); where
+# the tree's copy of that file (the diff's, if it patches it) lacks them, it
+# gets no-op definitions of them (timing off), marked as such.
 set -euo pipefail
 
 OUT=${1:?usage: tools/build_dsv41_tree.sh OUT_DIR [DIFF] [VENV]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DIFF=${2:-$ROOT/../shared/seeds/002_ce6637cb7dfa2225.txt}
 VENV=${3:-$ROOT/.venv}
-TARGET=vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py
 COMPANION=vllm/model_executor/kernels/attention/dsa/candidate_blocks.py
 
 src=$("$VENV/bin/python" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))' 2>/dev/null) || {
   echo "error: no vLLM in $VENV (run tools/install_vllm_cpu.sh $VENV first)" >&2
   exit 2
 }
+if [ -d "$DIFF" ]; then
+  echo "error: $DIFF is a folder: a tree is used as it is, not built (PYTHONPATH=$DIFF; tools/diff_coverage.py --tree $DIFF)" >&2
+  exit 2
+fi
 [ -f "$DIFF" ] || { echo "error: no diff at $DIFF" >&2; exit 2; }
 
 rm -rf "$OUT/vllm"
@@ -33,18 +44,18 @@ mkdir -p "$OUT"
 cp -rs "$src" "$OUT/vllm"
 find "$OUT/vllm" -name __pycache__ -prune -exec rm -rf {} +
 
-# The diff starts at its '--- ' line; the seed file lacks a final newline.
-patch_file=$(mktemp)
-trap 'rm -f "$patch_file"' EXIT
-sed -n '/^--- /,$p' "$DIFF" >"$patch_file"
-echo >>"$patch_file"
-rm "$OUT/$TARGET"
-cp "$src/${TARGET#vllm/}" "$OUT/$TARGET"
-patch --quiet -F3 "$OUT/$TARGET" "$patch_file"
+# A half-patched tree would be checked as if it were the port: on any refusal none is left.
+"$VENV/bin/python" "$ROOT/tools/apply_diff.py" "$OUT" "$src" "$DIFF" || {
+  status=$?
+  rm -rf "$OUT/vllm"
+  exit "$status"
+}
 
-if ! grep -q "_PREFILL_TIMING" "$src/${COMPANION#vllm/}"; then
-  rm "$OUT/$COMPANION"
-  cp "$src/${COMPANION#vllm/}" "$OUT/$COMPANION"
+if ! grep -q "_PREFILL_TIMING" "$OUT/$COMPANION"; then
+  # Append to a copy: through the link it would change the installed vLLM.
+  if [ -L "$OUT/$COMPANION" ]; then
+    cp --remove-destination "$src/${COMPANION#vllm/}" "$OUT/$COMPANION"
+  fi
   cat >>"$OUT/$COMPANION" <<'PY'
 
 
@@ -67,4 +78,4 @@ def prefill_acc_add(*args, **kwargs):
     return None
 PY
 fi
-echo "DCP2 tree in $OUT (PYTHONPATH=$OUT): $TARGET patched from $DIFF"
+echo "DCP2 tree in $OUT (PYTHONPATH=$OUT) from $DIFF"

@@ -1,25 +1,29 @@
-"""Diff coverage of the real DCP2 port: which lines the port's diff adds or
-changes does the ``--dcp-impl dsv41`` run execute, per stage folder?
+"""Diff coverage of the real DCP2 port: which lines that the port's diff adds
+or changes does the ``--dcp-impl dsv41`` run execute, per changed file and
+stage folder?
 
-The diff is that of the tree's ``flashinfer_sparse.py`` against the vLLM the
-tree mirrors (its other files link to it), so a scratch tree built from
-another diff is measured against its own changes. Only statements count
-(comments, blank lines and docstrings do not; a changed continuation line
-counts as its statement). Statements inside a function are attributed to the
-stage folder of the test whose case ran them (the ranks record under the
-case's node id: :mod:`dcpcheck.coverage_context`); statements outside any
-function run when the module is executed and are counted once. Each line not
-run gets the reason of ``REASONS`` that matches it, or shows as unexplained.
+The diff is that of every ``.py`` file of the tree that is a real file (not a
+link to the vLLM the tree mirrors) and differs from its counterpart there, or
+that vLLM lacks (a file the diff adds), so a scratch tree built from any diff
+is measured against its own changes. Lines from ``tools/build_dsv41_tree.sh``'s
+marker on (its no-op timing stand-ins) are the build script's, not the diff's,
+and do not count. Only statements count (comments, blank lines and docstrings
+do not; a changed continuation line counts as its statement). Statements
+inside a function are attributed to the stage folder of the test whose case
+ran them (the ranks record under the case's node id:
+:mod:`dcpcheck.coverage_context`); statements outside any function run when
+the module is executed and are counted once. Each line not run gets the
+reason of ``REASONS`` that matches it, or shows as unexplained.
 
     # measure (pytest's arguments after --; exit status: pytest's), then report
     tools/diff_coverage.py run --data build/diffcov -- --dcp-impl dsv41 tests/stage1_index
     tools/diff_coverage.py report --data build/diffcov --markdown reports/dsv41_diff_coverage.md
 
-Measurement is restricted to the tree's file (no line is recorded anywhere
-else; Python 3.11's tracer still sees every call, the Triton interpreter's
-included, so a measured run takes up to about twice as long); the zygote (a
-subprocess), the ranks (its forks) and their ``os._exit`` are covered by
-coverage.py's ``patch`` settings.
+Measurement is restricted to the tree's changed files (no line is recorded
+anywhere else; Python 3.11's tracer still sees every call, the Triton
+interpreter's included, so a measured run takes up to about twice as long);
+the zygote (a subprocess), the ranks (its forks) and their ``os._exit`` are
+covered by coverage.py's ``patch`` settings.
 """
 
 from __future__ import annotations
@@ -43,27 +47,34 @@ STAGE_OF_CONTEXT = re.compile(r"tests[/.](" + "|".join(STAGES) + r")[/.]")
 MODULE_LEVEL = "module level (run on import)"
 RUNS_FILE = "runs.txt"
 NO_COVERAGE = "coverage.py is not installed: pip install -e '.[coverage]'"
+# tools/build_dsv41_tree.sh appends its no-op timing stand-ins after this line (dcpcheck's
+# stand_ins.TIMING_MARKER; not imported from there: that package imports torch).
+BUILD_MARKER = "# ---- dcpcheck: no-op stand-ins"
 
-# Why a line cannot run on this machine, first match wins: (function or "",
-# regular expression on the line's code, reason). A line matching none is
+# Why a line cannot run on this machine, first match wins: (file in the tree or "" for any,
+# function or "", regular expression on the line's code, reason). A line matching none is
 # "unexplained": either a test is missing or a reason is.
-REASONS: tuple[tuple[str, str, str], ...] = (
+REASONS: tuple[tuple[str, str, str, str], ...] = (
     (
+        PORT_FILE,
         "_run_sm120_dcp",
         r"\bev\[|torch\.cuda\.Event|elapsed_time|\bacc\b|acc\[|_dsv41_prefill_acc_add|logger\.info\(|^if prefill_timing:",
         "timing diagnostics: CUDA events (DSV41_DCP_TIMING=1 or the DCP2 stack's prefill timing)",
     ),
     (
+        PORT_FILE,
         "_run_sm120_dcp",
         r"logger\.info_once|\"DCP path active|capturing,$",
         "timing diagnostics: DSV41_DCP_TIMING=1 log",
     ),
     (
+        PORT_FILE,
         "_run_sm120_dcp",
         r"cp_lse_ag_out_rs|ctx=self\._cp_ctx",
         "ag_rs combine: vLLM's cp_lse_ag_out_rs cannot run under the Triton interpreter (a GPU runs it)",
     ),
     (
+        PORT_FILE,
         "",
         r"raise RuntimeError\(|\"FLASHINFER_MLA_SPARSE_DSV4 on SM120",
         "a FlashInfer build without the SM120 DSV4 specialization",
@@ -87,29 +98,59 @@ def argument_problem(args) -> str | None:
 
 
 @dataclass(frozen=True)
+class ChangedFile:
+    path: str  # in the tree: vllm/...
+    own: Path  # the tree's file
+    stock: Path | None  # the vLLM file it was made from; None: a file the diff adds
+
+
+@dataclass(frozen=True)
 class Line:
+    path: str  # its file's, in the tree
     number: int
     code: str
     function: str  # the innermost function holding it, "" at module level
 
 
-def tree_and_stock(tree: Path) -> tuple[Path, Path]:
-    """The tree's port file and the vLLM file it was made from."""
-    port = tree / PORT_FILE
-    if not port.is_file():
-        raise UsageError(f"--tree {tree}: no {PORT_FILE} under it (build one with tools/build_dsv41_tree.sh)")
-    stock_root = (tree / "vllm" / "__init__.py").resolve().parent  # the tree links every other file to its vLLM
-    stock = stock_root / Path(PORT_FILE).relative_to("vllm")
-    if not stock.is_file() or stock.resolve() == port.resolve():
-        raise UsageError(f"--tree {tree}: its vllm/ does not link to an installed vLLM with {PORT_FILE}")
-    return port, stock
+def stock_root(tree: Path) -> Path:
+    """The installed vllm/ folder the tree's links point into."""
+    vllm = tree / "vllm"
+    link = next((path for path in vllm.rglob("*.py") if path.is_symlink()), None) if vllm.is_dir() else None
+    if link is None:
+        raise UsageError(
+            f"--tree {tree}: no vllm/ of links to an installed vLLM (build one with tools/build_dsv41_tree.sh)"
+        )
+    root = link.resolve()
+    for _ in link.relative_to(vllm).parts:
+        root = root.parent
+    return root
 
 
-def changed_lines(port: Path, stock: Path) -> set[int]:
-    """Line numbers of ``port`` that the diff adds or replaces."""
-    new = port.read_text().splitlines()
-    matcher = difflib.SequenceMatcher(a=stock.read_text().splitlines(), b=new, autojunk=False)
-    return {j + 1 for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert") for j in range(j1, j2)}
+def changed_files(tree: Path) -> list[ChangedFile]:
+    """The tree's real .py files that differ from the vLLM it links to, or that it lacks."""
+    stock = stock_root(tree)
+    changed = []
+    for own in sorted(path for path in (tree / "vllm").rglob("*.py") if path.is_file() and not path.is_symlink()):
+        counterpart = stock / own.relative_to(tree / "vllm")
+        if not counterpart.is_file():
+            changed.append(ChangedFile(own.relative_to(tree).as_posix(), own, None))
+        elif counterpart.read_bytes() != own.read_bytes():
+            changed.append(ChangedFile(own.relative_to(tree).as_posix(), own, counterpart))
+    if not changed:
+        raise UsageError(f"--tree {tree}: no .py file of it differs from the vLLM it links to ({stock})")
+    return changed
+
+
+def changed_lines(changed: ChangedFile) -> set[int]:
+    """Line numbers of the tree's file that the diff adds or replaces (not the build script's stand-ins)."""
+    new = changed.own.read_text().splitlines()
+    old = changed.stock.read_text().splitlines() if changed.stock else []
+    build_part = next((n for n, line in enumerate(new, 1) if line.startswith(BUILD_MARKER)), len(new) + 1)
+    matcher = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
+    lines = {
+        j + 1 for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert") for j in range(j1, j2)
+    }
+    return {number for number in lines if number < build_part}
 
 
 def functions_by_line(source: str) -> dict[int, str]:
@@ -125,43 +166,43 @@ def functions_by_line(source: str) -> dict[int, str]:
     return owner
 
 
-def diff_statements(port: Path, stock: Path) -> list[Line]:
+def diff_statements(changed: ChangedFile) -> list[Line]:
     """The statements the diff adds or changes (a changed continuation line counts as its statement)."""
     from coverage.python import PythonParser
 
-    source = port.read_text()
-    parser = PythonParser(text=source, filename=str(port))
+    source = changed.own.read_text()
+    parser = PythonParser(text=source, filename=str(changed.own))
     parser.parse_source()
-    statements = parser.statements
-    firsts = {parser.first_line(n) for n in changed_lines(port, stock)} & statements
+    firsts = {parser.first_line(n) for n in changed_lines(changed)} & parser.statements
     owner = functions_by_line(source)
     text = source.splitlines()
-    return [Line(n, text[n - 1].strip(), owner.get(n, "")) for n in sorted(firsts)]
+    return [Line(changed.path, n, text[n - 1].strip(), owner.get(n, "")) for n in sorted(firsts)]
 
 
 def reason_for(line: Line) -> str:
-    for function, pattern, reason in REASONS:
-        if (not function or function == line.function) and re.search(pattern, line.code):
+    for path, function, pattern, reason in REASONS:
+        if path in ("", line.path) and function in ("", line.function) and re.search(pattern, line.code):
             return reason
     return "UNEXPLAINED"
 
 
-def rcfile(data: Path, port: Path) -> Path:
+def rcfile(data: Path, files: list[ChangedFile]) -> Path:
     path = data / "coveragerc"
     path.write_text(
         "[run]\n"
         f"data_file = {data / '.coverage'}\n"
         "parallel = True\n"
-        f"include = {port.resolve()}\n"
-        "patch =\n    subprocess\n    fork\n    _exit\n"
+        "include =\n"
+        + "".join(f"    {changed.own.resolve()}\n" for changed in files)
+        + "patch =\n    subprocess\n    fork\n    _exit\n"
     )
     return path
 
 
 def run(args) -> int:
-    port, _ = tree_and_stock(args.tree)
+    files = changed_files(args.tree)
     args.data.mkdir(parents=True, exist_ok=True)
-    config = rcfile(args.data, port)
+    config = rcfile(args.data, files)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(args.tree), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "coverage", "run", f"--rcfile={config}", "-m", "pytest"]
     command += ["-p", "dcpcheck.coverage_context", *args.pytest_args]
@@ -173,8 +214,8 @@ def run(args) -> int:
     return status
 
 
-def executed_by_stage(data_dir: Path, port: Path) -> dict[int, set[str]]:
-    """Line -> the stage folders (or MODULE_LEVEL's "") whose tests ran it."""
+def executed_by_stage(data_dir: Path, files: list[Path]) -> dict[str, dict[int, set[str]]]:
+    """Each file (by its real path) -> line -> the stage folders (or MODULE_LEVEL's "") whose tests ran it."""
     from coverage import CoverageData
 
     parts = sorted(data_dir.glob(".coverage.*"))  # one file per measured process
@@ -182,19 +223,19 @@ def executed_by_stage(data_dir: Path, port: Path) -> dict[int, set[str]]:
         raise UsageError(
             f"--data {data_dir}: no coverage data (measure first: tools/diff_coverage.py run --data {data_dir} -- ...)"
         )
-    stages: dict[int, set[str]] = {}
-    target = str(port.resolve())
+    ran: dict[str, dict[int, set[str]]] = {str(path.resolve()): {} for path in files}
     for name in parts:
         part = CoverageData(basename=str(name))
         part.read()
         for measured in part.measured_files():
-            if os.path.realpath(measured) != target:
+            stages = ran.get(os.path.realpath(measured))
+            if stages is None:
                 continue
             for number, contexts in part.contexts_by_lineno(measured).items():
                 for context in contexts:
                     match = STAGE_OF_CONTEXT.search(context)
                     stages.setdefault(number, set()).add(match.group(1) if match else "")
-    return stages
+    return ran
 
 
 def runs_of(data_dir: Path) -> list[str]:
@@ -202,36 +243,81 @@ def runs_of(data_dir: Path) -> list[str]:
     return path.read_text().splitlines() if path.is_file() else ["(not recorded)"]
 
 
-def report(args) -> None:
-    port, stock = tree_and_stock(args.tree)
-    lines = diff_statements(port, stock)
-    ran = executed_by_stage(args.data, port)
+def percent(hit: int, of: int) -> str:
+    return f"{100 * hit / of:.0f}" if of else "-"
+
+
+def partition(lines: list[Line], ran: dict[int, set[str]]) -> tuple[list[Line], list[Line], list[Line]]:
+    """(the statements inside functions, those at module level, those not run)."""
     in_functions = [line for line in lines if line.function]
     module_level = [line for line in lines if not line.function]
+    return in_functions, module_level, [line for line in lines if line.number not in ran]
+
+
+def summary_row(name: str, lines: list[Line], ran: dict[int, set[str]]) -> str:
+    """One file's line of the summary: statements in functions run, module-level run, not run, unexplained."""
+    in_functions, module_level, missing = partition(lines, ran)
+    run_in_functions = sum(line.number in ran for line in in_functions)
+    cells = [run_in_functions, len(in_functions), percent(run_in_functions, len(in_functions))]
+    cells += [sum(line.number in ran for line in module_level), len(module_level), len(missing)]
+    cells.append(sum(reason_for(line) == "UNEXPLAINED" for line in missing))
+    return f"| {name} | " + " | ".join(map(str, cells)) + " |"
+
+
+def file_section(path: str, lines: list[Line], ran: dict[int, set[str]]) -> list[str]:
+    """One file's stage table, module-level count and the lines not run with their reasons."""
+    in_functions, module_level, missing = partition(lines, ran)
+    out = [f"## `{path}`", "", "| stage folder | statements in functions run | of | % |", "|---|---|---|---|"]
+    for stage in (*STAGES, "all"):
+        hit = [line for line in in_functions if line.number in ran and (stage == "all" or stage in ran[line.number])]
+        out.append(f"| {stage} | {len(hit)} | {len(in_functions)} | {percent(len(hit), len(in_functions))} |")
+    run_module = sum(line.number in ran for line in module_level)
+    out += ["", f"{MODULE_LEVEL}: {run_module} of {len(module_level)} run.", ""]
+    if missing:
+        out += ["| line | function | code | reason |", "|---|---|---|---|"]
+        out += [f"| {line.number} | {line.function or '-'} | `{line.code}` | {reason_for(line)} |" for line in missing]
+        out.append("")
+    unexplained = sum(reason_for(line) == "UNEXPLAINED" for line in missing)
+    return [*out, f"{len(missing)} not run, {unexplained} of them unexplained.", ""]
+
+
+def header(tree: Path, statements: dict[str, list[Line]]) -> list[str]:
+    """The report's opening: what was compared, and the changed files without a statement to count."""
+    total = sum(map(len, statements.values()))
     out = [
-        f"# Diff coverage of the DCP2 port: `{PORT_FILE}`",
+        "# Diff coverage of the DCP2 port",
         "",
-        f"Written by `tools/diff_coverage.py` from `{args.tree}` against the vLLM it links to: "
-        f"{len(lines)} statements added or changed by the diff, {len(in_functions)} of them inside functions.",
+        f"Written by `tools/diff_coverage.py` from `{tree}` against the vLLM it links to: {len(statements)} files "
+        f"changed, {total} statements added or changed by the diff (the build script's no-op timing stand-ins "
+        "after its marker do not count).",
         "",
+    ]
+    uncounted = ", ".join(f"`{path}`" for path, lines in statements.items() if not lines)
+    if uncounted:
+        out += [f"Changed without a statement to count (comments, removed lines, the stand-ins): {uncounted}.", ""]
+    return out
+
+
+def report(args) -> None:
+    files = changed_files(args.tree)
+    statements = {changed.path: diff_statements(changed) for changed in files}
+    ran_by_file = executed_by_stage(args.data, [changed.own for changed in files])
+    ran = {changed.path: ran_by_file[str(changed.own.resolve())] for changed in files}
+    counted = {path: lines for path, lines in statements.items() if lines}
+    out = [
+        *header(args.tree, statements),
         "Measured runs:",
         "",
         *[f"    {line}" for line in runs_of(args.data)],
         "",
-        "| stage folder | statements in functions run | of | % |",
-        "|---|---|---|---|",
+        "| file | statements in functions run | of | % | module level run | of | not run | unexplained |",
+        "|---|---|---|---|---|---|---|---|",
+        *[summary_row(f"`{path}`", lines, ran[path]) for path, lines in counted.items()],
+        "",
     ]
-    for stage in (*STAGES, "all"):
-        hit = [line for line in in_functions if line.number in ran and (stage == "all" or stage in ran[line.number])]
-        out.append(f"| {stage} | {len(hit)} | {len(in_functions)} | {100 * len(hit) / max(1, len(in_functions)):.0f} |")
-    run_module = sum(line.number in ran for line in module_level)
-    out += ["", f"{MODULE_LEVEL}: {run_module} of {len(module_level)} run.", "", "## Not run", ""]
-    missing = [line for line in lines if line.number not in ran]
-    out += ["| line | function | code | reason |", "|---|---|---|---|"]
-    out += [f"| {line.number} | {line.function or '-'} | `{line.code}` | {reason_for(line)} |" for line in missing]
-    unexplained = sum(reason_for(line) == "UNEXPLAINED" for line in missing)
-    out += ["", f"{len(missing)} not run, {unexplained} of them unexplained."]
-    text = "\n".join(out) + "\n"
+    for path, lines in counted.items():
+        out += file_section(path, lines, ran[path])
+    text = "\n".join(out)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text)
