@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import threading
+import traceback
 from functools import cache
 from pathlib import Path
 
@@ -128,6 +131,55 @@ def load_implementation(spec: str):
     # triton's interpreter mode is chosen (TRITON_INTERPRET is read at import).
     patch_language_once_per_process()
     return impl
+
+
+USAGE_ERROR_EXIT = 4  # pytest's exit code for a usage error
+STACK_FRAMES_SHOWN = 8
+
+
+def load_implementation_within(spec: str, seconds: float):
+    """:func:`load_implementation`, bounded like a pool's start
+    (``--dcp-startup-timeout``). It loads in this thread (an import may set
+    signal handlers, which only the main thread can); one that has not
+    returned by then (a tree whose ``vllm/__init__.py`` waits forever) ends
+    the process with a one-line usage error naming where it is stuck: a
+    stuck import cannot be abandoned, and nothing may wait for it."""
+    loaded = threading.Event()
+    loader = threading.get_ident()
+    threading.Thread(
+        target=_exit_unless_loaded, args=(spec, seconds, loaded, loader), name="dcpcheck-load-deadline", daemon=True
+    ).start()
+    try:
+        return load_implementation(spec)
+    finally:
+        loaded.set()
+
+
+def _exit_unless_loaded(spec: str, seconds: float, loaded: threading.Event, loader: int) -> None:
+    if loaded.wait(seconds):
+        return
+    message = _stuck_loading(spec, seconds, sys._current_frames()[loader])
+    if loaded.is_set():  # it returned as the deadline passed
+        return
+    sys.stderr.write(f"ERROR: {message}\n")  # as pytest writes a usage error
+    sys.stderr.flush()
+    os._exit(USAGE_ERROR_EXIT)
+
+
+def _stuck_loading(spec: str, seconds: float, frame) -> str:
+    """Which module the loader is importing (the innermost module body on its stack), and its stack."""
+    stack = [line for line in traceback.extract_stack(frame) if not line.filename.startswith("<frozen")]
+    module = frame
+    while module is not None and module.f_code.co_name != "<module>":
+        module = module.f_back
+    where = f"importing module {module.f_globals.get('__name__')!r}" if module is not None else "after its imports"
+    shown = "; ".join(
+        f"{line.filename}:{line.lineno} in {line.name}: {line.line}" for line in reversed(stack[-STACK_FRAMES_SHOWN:])
+    )
+    return (
+        f"--dcp-impl {spec}: loading it did not end within {seconds:g} s (--dcp-startup-timeout): stuck {where}; "
+        f"its stack, innermost first: {shown}"
+    )
 
 
 def _load(spec: str):

@@ -114,11 +114,11 @@ def pytest_configure(config):
         # Must precede the first triton import, here and in every rank.
         os.environ["TRITON_INTERPRET"] = "1"
 
-    from dcpcheck.impls.registry import ImplSpecError, load_implementation
+    from dcpcheck.impls.registry import ImplSpecError, load_implementation_within
 
     spec = config.getoption("dcp_impl")
     try:
-        impl = load_implementation(spec)
+        impl = load_implementation_within(spec, start_timeout)
     except ImplSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - an attribute of the implementation raising as the registry reads it
