@@ -33,7 +33,8 @@ def pytest_addoption(parser):
         "--dcp-startup-timeout",
         type=float,
         default=DEFAULT_STARTUP_TIMEOUT_S,
-        help=f"seconds a pool of ranks may take to start (default {DEFAULT_STARTUP_TIMEOUT_S:g})",
+        help=f"seconds a pool of ranks (torchrun: init_process_group) may take to start "
+        f"(default {DEFAULT_STARTUP_TIMEOUT_S:g})",
     )
     group.addoption(
         "--device",

@@ -7,8 +7,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
-from dcpcheck.ranks.launcher import Launcher
+import pytest
+
+from dcpcheck.ranks.launcher import Launcher, LaunchError
 from dcpcheck.ranks.placement import Placement
 
 
@@ -103,7 +106,41 @@ class RunMode:
         if self.torchrun_world_size:
             from dcpcheck.ranks.torchrun import InProcessRanks
 
-            return InProcessRanks(placement(self.torchrun_world_size), impl_spec=impl_spec, case_timeout=case_timeout)
+            return InProcessRanks(
+                placement(self.torchrun_world_size),
+                impl_spec=impl_spec,
+                case_timeout=case_timeout,
+                startup_timeout=startup_timeout,
+            )
         from dcpcheck.ranks.spawned import SpawnedRanks
 
         return SpawnedRanks(placement, impl_spec=impl_spec, case_timeout=case_timeout, startup_timeout=startup_timeout)
+
+    def ranks_disagree(self, launcher: Callable[[], Launcher], settings: dict) -> str | None:
+        """Why this session's ranks cannot run its cases together, else None:
+        under torchrun, ranks that differ in ``settings`` (what decides a
+        case), or a world that did not start (its launcher is made here,
+        before the first case)."""
+        if not self.torchrun_world_size:
+            return None  # the pools' ranks take the pytest process's settings
+        try:
+            return launcher().disagreement(settings)
+        except LaunchError as exc:
+            return f"torchrun: {exc}"
+
+    def end_session(self, usage_error: str) -> NoReturn:
+        """End a session its ranks cannot run: rank 0 with the usage error
+        (exit 4, one line); under torchrun the other ranks end quietly (exit
+        0), since a rank exiting first with an error gets its peers killed
+        (rank 0 then before it printed) and named as the job's root cause."""
+        if self.reports:
+            raise pytest.UsageError(usage_error)
+        pytest.exit(usage_error, returncode=pytest.ExitCode.OK)
+
+    def guard_exit(self, exit_status: Callable[[], int]) -> None:
+        """Under torchrun, no rank aborts at exit after its report (see
+        :func:`dcpcheck.ranks.torchrun.leave_at_exit_if_stranded`)."""
+        if self.torchrun_world_size:
+            from dcpcheck.ranks.torchrun import leave_at_exit_if_stranded
+
+            leave_at_exit_if_stranded(exit_status)

@@ -23,7 +23,7 @@ from dcpcheck.plugin.run_mode import RunMode
 from dcpcheck.ranks.launcher import Launcher
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.reaper import die_with_parent
-from dcpcheck.stages import StageValueError, reached_stage
+from dcpcheck.stages import STAGE_ENV, StageValueError, reached_stage
 
 
 class LauncherSlot:
@@ -157,6 +157,34 @@ def pytest_configure(config):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+
+
+def settings_deciding_cases(config, items) -> dict:
+    """What decides which cases run and how (plain data): every rank of
+    torchrun's world must share it."""
+    return {
+        STAGE_ENV: os.environ.get(STAGE_ENV),
+        "--dcp-impl": config.getoption("dcp_impl"),
+        "--world-sizes": config.getoption("world_sizes"),
+        "--dcp-seed": config.getoption("dcp_seed"),
+        "collected tests": [item.nodeid for item in items],
+    }
+
+
+def pytest_sessionstart(session):
+    state = session.config.stash.get(SESSION, None)
+    if state is not None:
+        state.mode.guard_exit(lambda: session.exitstatus)
+
+
+def pytest_collection_finish(session):
+    """Before the first case (after -k and --deselect: the tests that run)."""
+    state = session.config.stash.get(SESSION, None)
+    if state is None:
+        return
+    error = state.mode.ranks_disagree(state.launcher, settings_deciding_cases(session.config, session.items))
+    if error:
+        state.mode.end_session(error)
 
 
 def pytest_sessionfinish(session, exitstatus):

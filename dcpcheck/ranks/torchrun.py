@@ -20,31 +20,44 @@ peer's pending collective, nor with another test's report.
 * A rank that sends no report at all (its process ended, is stopped, or
   spins holding the GIL) is named with what its process is doing, and the
   session stops: these ranks can run no further case together.
+* Before the first case the ranks compare what decides a case (the stage
+  variable, the options, the collected tests): ranks that differ would pair
+  one test's collectives with another's, or wait on a case a peer skips.
+* Start-up (``init_process_group``) is bounded by ``--dcp-startup-timeout``,
+  as a spawned pool's is.
+* A rank with a thread still in torch's C++ code at exit (an abandoned case
+  thread in a collective, a start-up that never returned) leaves without
+  interpreter finalization: that thread, woken by a peer's exit, would abort
+  the process (std::terminate) after a correct report.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import itertools
+import json
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Case, CaseResult, LaunchError
-from dcpcheck.ranks.outcome_board import NO_DECISION, OutcomeBoard, RankReport
+from dcpcheck.ranks.outcome_board import NO_DECISION, POLL_S, OutcomeBoard, RankReport
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_process
-from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, run_rank_case
+from dcpcheck.ranks.rankfn import RankContext, RankOutcome, bounded, describe_exception, run_rank_case
 from dcpcheck.ranks.reaper import become_subreaper, descendants, die_with_parent, end_case_processes
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -59,6 +72,8 @@ WEDGED_EXIT_S = 60.0
 # _abandon); 0 keeps NCCL's watchdog from racing that abort or taking the
 # whole torchrun job down on the same timeout.
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+CASE_THREAD = "dcpcheck-case"
+INIT_THREAD = "dcpcheck-init"
 
 
 def launched_by_torchrun(environ=os.environ) -> bool:
@@ -80,7 +95,7 @@ class _JobStopping(BaseException):
 
 class _CaseThread(threading.Thread):
     def __init__(self, fn, ctx: RankContext):
-        super().__init__(name="dcpcheck-case", daemon=True)  # an abandoned one must not hold up the exit
+        super().__init__(name=CASE_THREAD, daemon=True)  # an abandoned one must not hold up the exit
         self.fn, self.ctx = fn, ctx
         self.outcome: RankOutcome | None = None
 
@@ -100,7 +115,7 @@ def _thread_stack(thread: threading.Thread) -> str:
 class InProcessRanks:
     """This process is one rank of the launcher's world."""
 
-    def __init__(self, placement: Placement, *, impl_spec: str, case_timeout: float):
+    def __init__(self, placement: Placement, *, impl_spec: str, case_timeout: float, startup_timeout: float):
         self.impl_spec = impl_spec
         self.rank = launcher_rank()
         self.world_size = launcher_world_size()
@@ -108,17 +123,14 @@ class InProcessRanks:
         become_subreaper()
         self.backend = placement.backend
         self.case_timeout = case_timeout
+        self.startup_timeout = startup_timeout
         self.device = placement.device(int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.backend == "nccl":
             os.environ.setdefault(*NCCL_ERROR_HANDLING)
         if not dist.is_initialized():
-            dist.init_process_group(
-                self.backend,
-                timeout=timedelta(seconds=case_timeout + COLLECTIVE_TIMEOUT_GRACE_S),
-                **({"device_id": self.device} if self.backend == "nccl" else {}),
-            )
+            self._init_default_group()
         self.board = OutcomeBoard(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self.board.announce()
         self.group: DcpGroup | None = None
@@ -134,6 +146,59 @@ class InProcessRanks:
         self.sigterm_seen = False
         signal.signal(signal.SIGTERM, self._remember_sigterm)
 
+    def _init_default_group(self) -> None:
+        """``init_process_group``, waited on for ``startup_timeout`` at most
+        (in a thread: an implementation may have replaced it, and a peer that
+        never calls it leaves it waiting for its own, longer timeout)."""
+        raised: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                dist.init_process_group(
+                    self.backend,
+                    timeout=timedelta(seconds=self.case_timeout + COLLECTIVE_TIMEOUT_GRACE_S),
+                    **({"device_id": self.device} if self.backend == "nccl" else {}),
+                )
+            except BaseException as exc:  # noqa: BLE001 - raised again as this rank's start-up failure
+                raised.append(exc)
+
+        thread = threading.Thread(target=init, name=INIT_THREAD, daemon=True)
+        thread.start()
+        thread.join(self.startup_timeout)
+        waited = (
+            f"torch.distributed.init_process_group(backend={self.backend!r}) on rank {self.rank}, "
+            f"joining the {self.world_size} ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']},"
+        )
+        if thread.is_alive():
+            raise LaunchError(
+                f"{waited} did not return within {self.startup_timeout:g} s (--dcp-startup-timeout); "
+                f"it waits in {_innermost_frame(thread)}"
+            )
+        if raised:
+            raise LaunchError(f"{waited} raised {' '.join(describe_exception(raised[0]).split())}")
+
+    def disagreement(self, settings: dict) -> str | None:
+        """Post this rank's ``settings`` (what decides a case: plain data) and
+        compare every rank's: -> the usage error naming the ranks that differ
+        and their values, else None. Raises :class:`LaunchError` when a rank
+        posted none within ``startup_timeout``."""
+        store = self.board.store
+        store.set(f"settings/{self.rank}", json.dumps(settings))
+        keys = [f"settings/{rank}" for rank in range(self.world_size)]
+        deadline = time.perf_counter() + self.startup_timeout
+        while not store.check(keys):
+            if time.perf_counter() > deadline:
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                states = "; ".join(
+                    f"rank {rank}'s process {self.board.process_state(rank, describe_process)}" for rank in missing
+                )
+                raise LaunchError(
+                    f"rank(s) {missing} posted no session settings within {self.startup_timeout:g} s "
+                    f"(--dcp-startup-timeout) after start-up; {states}"
+                )
+            time.sleep(POLL_S)
+        return describe_disagreement({rank: json.loads(store.get(key)) for rank, key in enumerate(keys)})
+
     def decide_before_launch(self, case: Case, ask):
         """Rank 0 asks; every rank takes its answers from the store, so all
         ranks skip, mark or run the case alike (an answer that differed
@@ -142,13 +207,15 @@ class InProcessRanks:
         key = f"{case.nodeid}#{next(self.decisions_per_test.setdefault(case.nodeid, itertools.count()))}"
         timeout = case.timeout
         # Rank 0 asks two questions, each bounded by the timeout.
-        decision = self.board.decision(key, ask, deadline=time.perf_counter() + 2 * timeout + REPORT_GRACE_S)
-        if decision is NO_DECISION:
+        posted = self.board.decision(
+            key, lambda: _answers_as_json(ask()), deadline=time.perf_counter() + 2 * timeout + REPORT_GRACE_S
+        )
+        if posted is NO_DECISION:
             raise LaunchError(
                 f"rank 0 posted no answers before launch within {2 * timeout + REPORT_GRACE_S:g} s; its process "
                 + self.board.process_state(0, describe_process)
             )
-        return decision
+        return _answers_from_json(posted)
 
     def _new_dcp_group(self) -> DcpGroup:
         # Longer than the case timeout: a stuck case is ended (and its stacks
@@ -277,3 +344,90 @@ class InProcessRanks:
 
 def _raise_job_stopping(signum, frame):
     raise _JobStopping()
+
+
+def _innermost_frame(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "(no frame: it has just returned)"
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
+def _answers_as_json(answers) -> str:
+    """Rank 0's answers before launch, as the store carries them: strings and
+    None, a known defect as its two strings; never a pickled class (the
+    implementation's own KnownFailure subclass need not unpickle on a peer)."""
+    reason, defect, failure = answers
+    if isinstance(defect, KnownFailure):
+        defect = [defect.reason, defect.shows]
+    return json.dumps([reason, defect, failure])
+
+
+def _answers_from_json(posted: str) -> tuple:
+    reason, defect, failure = json.loads(posted)
+    return reason, KnownFailure(*defect) if isinstance(defect, list) else defect, failure
+
+
+def _shown(value) -> str:
+    """A setting's value in the disagreement message; a list is the collected node ids."""
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return f"{len(value)} collected"
+    return repr(value)
+
+
+def _collected_difference(ids: list, common: set, reordered: bool) -> str:
+    if reordered:
+        return " (in another order)"
+    extra = [nodeid for nodeid in ids if nodeid not in common]
+    if not extra:
+        return ""
+    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+    return f" ({extra[0]}{more} not on every rank)"
+
+
+def describe_disagreement(by_rank: dict[int, dict]) -> str | None:
+    """The usage error of ranks whose settings differ (rank -> setting ->
+    value), naming each differing setting's ranks and values; else None."""
+    differing = []
+    for name in by_rank[0]:
+        ranks_by_value: dict[str, list[int]] = {}
+        for rank, settings in sorted(by_rank.items()):
+            ranks_by_value.setdefault(json.dumps(settings.get(name)), []).append(rank)
+        if len(ranks_by_value) < 2:
+            continue
+        values = [json.loads(value) for value in ranks_by_value]
+        sets = [set(value) for value in values] if isinstance(values[0], list) else []
+        common, reordered = (set.intersection(*sets), all(each == sets[0] for each in sets)) if sets else (set(), False)
+        groups = []
+        for value, ranks in zip(values, ranks_by_value.values()):
+            shown = _shown(value) + (_collected_difference(value, common, reordered) if sets else "")
+            groups.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {shown}")
+        differing.append(f"{name}: {'; '.join(groups)}")
+    if not differing:
+        return None
+    return (
+        f"torchrun: the ranks differ in what decides a case ({' | '.join(differing)}); "
+        "launch every rank with the same environment, options and tests"
+    )
+
+
+def leave_at_exit_if_stranded(exit_status: Callable[[], int]) -> None:
+    """At exit, should a case or start-up thread of this process still be
+    running, run the other exit handlers, then end the process with
+    ``exit_status()`` without finalizing the interpreter: such a thread,
+    waiting in torch's C++ code (a collective, a store), wakes when a peer's
+    process ends, and doing so while the interpreter finalizes aborts this
+    one (``terminate called without an active exception``)."""
+    atexit.register(_leave_if_stranded, exit_status)
+
+
+def _leave_if_stranded(exit_status: Callable[[], int]) -> None:
+    if not any(thread.name in (CASE_THREAD, INIT_THREAD) for thread in threading.enumerate()):
+        return
+    atexit.unregister(_leave_if_stranded)
+    atexit._run_exitfuncs()  # the others (coverage's, logging's) still run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(exit_status()))
