@@ -44,5 +44,5 @@ def test_host_reads_are_counted_per_recompute(layer_cls, reads):
     layers = {rho: layer_cls() for rho in set(GEOMETRY_STACK)}
     for layer in layers.values():
         layer.dcp_group = None
-    counted, objects = gather_geometry_reads(lambda rank, rho: layers[rho])
+    counted, objects = gather_geometry_reads(lambda rank, rho: layers[rho], topk_width=512)
     assert (counted, objects) == (reads, len(set(GEOMETRY_STACK)))

@@ -346,11 +346,11 @@ class _LocalAllGather:
         return torch.cat([tensor] * self.world_size, dim=dim)
 
 
-def gather_geometry_reads(build_layer) -> tuple[int, int]:
+def gather_geometry_reads(build_layer, topk_width: int) -> tuple[int, int]:
     """The cost of the port's prefill-gather geometry across KV groups:
     ``_dcp_prefill_gather`` of each layer of :data:`GEOMETRY_STACK` in one step,
     each layer given its KV group's metadata object, as vLLM's runner gives it.
-    ``build_layer(rank, rho)``: a layer of the probe's layout.
+    ``build_layer(rank, rho)``: a layer of the probe's layout; ``topk_width``: the top-k buffer's.
     -> (host reads of ``attn_metadata.seq_lens`` in the step, metadata objects)."""
     device = probe_device()
     metadata = {
@@ -360,7 +360,7 @@ def gather_geometry_reads(build_layer) -> tuple[int, int]:
         )
         for rho in set(GEOMETRY_STACK)
     }
-    topk = torch.full((GEOMETRY_ROWS, index_topk()), -1, dtype=torch.int32, device=device)
+    topk = torch.full((GEOMETRY_ROWS, topk_width), -1, dtype=torch.int32, device=device)
     topk[:, 0] = 0
     cache = torch.zeros(PROBE_TABLE_WIDTH + 1, GEOMETRY_PAGE_STATES, 64, dtype=torch.bfloat16, device=device)
     layers = [build_layer(0, rho) for rho in GEOMETRY_STACK]
@@ -526,7 +526,7 @@ class ServingFindings:
         if not callable(getattr(self._build_layer(0, 1), "_dcp_prefill_gather", None)):
             return "not measured (the layer has no _dcp_prefill_gather)"
         try:
-            reads, objects = gather_geometry_reads(self._build_layer)
+            reads, objects = gather_geometry_reads(self._build_layer, index_topk())
         except Exception as exc:  # noqa: BLE001 - a port with another gather signature: the header says so
             return f"not measured (_dcp_prefill_gather raised {type(exc).__name__}: {exc})"
         return (

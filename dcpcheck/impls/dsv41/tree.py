@@ -137,15 +137,6 @@ class PortTree:
     def __init__(self, spec: PortSpec):
         self.spec = spec
         self._modules: dict[tuple, types.ModuleType] = {}
-        try:
-            self.flashinfer = FlashInferCore(pinned_sources())
-        except (FlashInferSourcesError, FlashInferSourceError, SyntaxError) as exc:
-            raise PortSpecError(f"FlashInfer's SM120 entry cannot stand in for the port's kernel call: {exc}") from exc
-        self.kernel = (
-            f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
-            f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
-            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: the reference"
-        )
         module = self.module({})
         attention = getattr(module, spec.cls, None)
         if attention is None:
@@ -159,6 +150,16 @@ class PortTree:
                 f"{spec.module}.{spec.cls} is not a DCP2 port: it lacks {', '.join(missing)}. "
                 f"Apply the DCP2 diff to this tree (README, 'Check your DCP2 port')"
             )
+        # After the tree's own checks: a tree that is not a port is told so first.
+        try:
+            self.flashinfer = FlashInferCore(pinned_sources())
+        except (FlashInferSourcesError, FlashInferSourceError, SyntaxError) as exc:
+            raise PortSpecError(f"FlashInfer's SM120 entry cannot stand in for the port's kernel call: {exc}") from exc
+        self.kernel = (
+            f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
+            f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
+            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: the reference"
+        )
 
     def module(self, environ: dict[str, str]) -> types.ModuleType:
         """The port module as imported under ``environ`` (only the variables it reads at import)."""
