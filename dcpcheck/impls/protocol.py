@@ -93,22 +93,33 @@ class KnownFailure:
     explains its own failure and never hides another bug. Both are strings;
     the harness matches ``shows`` in a child process with a time bound
     (``dcpcheck.plugin.known_failures.MATCH_TIMEOUT_S``), so a pattern that
-    backtracks without bound fails its case rather than hanging it."""
+    backtracks without bound fails its case rather than hanging it.
+
+    ``cures``: the implementation's names for its switches that neutralise
+    the defect's cause (``Implementation.cured(cures)``, the code as it would
+    be with the defect fixed). A case marked with a cured defect that fails as
+    the defect shows runs once more, cured, and must then pass: a failure of
+    the cured run is a second bug behind the known one."""
 
     reason: str
     shows: str
+    cures: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.reason
 
     @staticmethod
     def joined(answers) -> KnownFailure | None:
-        """Several defects of one case: either may be what fails it."""
+        """Several defects of one case: either may be what fails it. Cured only
+        where each of them is (a cured run must pass)."""
         answers = [answer for answer in answers if answer]
         if len(answers) < 2:
             return answers[0] if answers else None
+        cured = all(answer.cures for answer in answers)
         return KnownFailure(
-            "; and ".join(answer.reason for answer in answers), "|".join(f"(?:{answer.shows})" for answer in answers)
+            "; and ".join(answer.reason for answer in answers),
+            "|".join(f"(?:{answer.shows})" for answer in answers),
+            tuple(dict.fromkeys(cure for answer in answers for cure in answer.cures)) if cured else (),
         )
 
 
@@ -297,6 +308,12 @@ class DcpImplementation(Protocol):
         None. A :class:`KnownFailure` also says how the case fails, and a
         failure that does not show it fails the test; a plain string
         explains any failure of the case."""
+
+    def cured(self, cures: tuple[str, ...]):
+        """A context manager: inside it this process's implementation runs
+        with the causes of the known defects named by ``cures`` (their
+        ``KnownFailure.cures``) neutralised, as it would with them fixed.
+        Needed only by an implementation that answers cured defects."""
 
     # ---- the gate ---------------------------------------------------------
     def serving_probes(self) -> dict[str, str | None]:

@@ -31,8 +31,9 @@ READABLE = (
 )
 REASON_ACCEPTED = "accepted: None or a string (why the case cannot run here)"
 DEFECT_ACCEPTED = (
-    "accepted: None, a string, or a KnownFailure(reason, shows) of two strings, shows a regular expression "
-    "that the failure's text matches"
+    "accepted: None, a string, or a KnownFailure(reason, shows, cures=()) of two strings and a tuple of "
+    "strings, shows a regular expression that the failure's text matches, cures names the implementation's "
+    "cured() accepts (and only with a cured() method)"
 )
 MESSAGE_CHARS = 300  # of an exception's message or a pattern, in a one-line error
 
@@ -98,7 +99,7 @@ def _exact_str(value: str) -> str:
     return str.__str__(value)  # a str subclass's own text, as a str, without its overrides
 
 
-def plain_unavailable_reason(answer) -> str | None:
+def plain_unavailable_reason(answer, impl=None) -> str | None:
     if answer is None:
         return None
     if isinstance(answer, str):
@@ -106,7 +107,15 @@ def plain_unavailable_reason(answer) -> str | None:
     raise AnswerError(f"returned {_kind(answer)}; {REASON_ACCEPTED}")
 
 
-def _plain_known_failure(answer: KnownFailure) -> KnownFailure:
+def _plain_cures(cures, impl) -> tuple[str, ...]:
+    if not isinstance(cures, tuple) or not all(isinstance(cure, str) for cure in cures):
+        raise AnswerError(f"returned a KnownFailure whose cures is {_kind(cures)}; {DEFECT_ACCEPTED}")
+    if cures and not callable(getattr(impl, "cured", None)):
+        raise AnswerError(f"returned a KnownFailure with cures {cures!r} but has no cured() method; {DEFECT_ACCEPTED}")
+    return tuple(_exact_str(cure) for cure in cures)
+
+
+def _plain_known_failure(answer: KnownFailure, impl) -> KnownFailure:
     reason, shows = answer.reason, answer.shows
     for field, text in (("reason", reason), ("shows", shows)):
         if not isinstance(text, str):
@@ -118,14 +127,14 @@ def _plain_known_failure(answer: KnownFailure) -> KnownFailure:
             f"returned a KnownFailure whose shows {_cut(repr(_exact_str(shows)))} is not a regular expression "
             f"({exc}); {DEFECT_ACCEPTED}"
         ) from None
-    return KnownFailure(_exact_str(reason), _exact_str(shows))
+    return KnownFailure(_exact_str(reason), _exact_str(shows), _plain_cures(answer.cures, impl))
 
 
-def plain_known_defect(answer) -> KnownFailure | str | None:
+def plain_known_defect(answer, impl=None) -> KnownFailure | str | None:
     if answer is None:
         return None
     if isinstance(answer, KnownFailure):
-        return _plain_known_failure(answer)
+        return _plain_known_failure(answer, impl)
     if isinstance(answer, str):
         return _exact_str(answer) or None
     raise AnswerError(f"returned {_kind(answer)}; {DEFECT_ACCEPTED}")
@@ -138,4 +147,4 @@ def plain_answer(method: str, ask, terms):
     """``ask(terms)`` (the implementation's ``method``) as plain data; raises
     :class:`AnswerError` for an answer of the wrong kind. Run where the call
     is bounded: reading a user's subclass runs its code."""
-    return PLAIN_ANSWERS[method](ask(terms))
+    return PLAIN_ANSWERS[method](ask(terms), getattr(ask, "__self__", None))

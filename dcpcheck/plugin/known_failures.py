@@ -1,7 +1,9 @@
 """Known defects that do not mask: a case an implementation marked with a
 :class:`~dcpcheck.impls.protocol.KnownFailure` that fails *otherwise* (its
 failure's text does not match the defect's ``shows``) is reported as failed,
-not as the expected failure: a second bug in that case is news."""
+not as the expected failure: a second bug in that case is news. So is one
+whose case, run again with the defect's cause neutralised (its ``cures``,
+:meth:`dcpcheck.plugin.runner.DcpRunner.run`), still fails."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from dcpcheck.plugin.session import dcp_session
 
 # The known defects ``dcp.run`` marked the test with (one per run of a case).
 DECLARED = pytest.StashKey[list]()
+# Set on a test whose case, its known defects cured, still failed.
+SECOND_BUG = pytest.StashKey[bool]()
+BEHIND_KNOWN_DEFECT = "a second bug behind the known defect"
 
 # Seconds matching the declared defects' shows against a failure may take.
 # Python's re has no timeout and its matcher holds the GIL until it returns,
@@ -40,6 +45,11 @@ class UnboundedMatch(Exception):
 
 def declare(item: pytest.Item, defect) -> None:
     item.stash.setdefault(DECLARED, []).append(defect)
+
+
+def behind_known_defect(item: pytest.Item) -> None:
+    """The case failed again with its known defects cured: its failure is not (only) theirs."""
+    item.stash[SECOND_BUG] = True
 
 
 def _each_line_shows_one(shows: list[str], lines: list[str]) -> bool:
@@ -73,6 +83,8 @@ def unexplained(defects: list, failure: str) -> list[KnownFailure]:
 def _not_shown(item, report) -> str | None:
     """Why the failure in ``report`` is not the known defect it was marked
     with (the first lines of the report then), or None when it is."""
+    if item.stash.get(SECOND_BUG, False):
+        return f"not the known defect: {report.wasxfail}"
     defects = item.stash.get(DECLARED, [])
     try:
         missed = unexplained(defects, report.longreprtext)

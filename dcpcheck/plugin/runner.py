@@ -3,6 +3,7 @@ back into one pass, skip, expected failure or failure message."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import traceback
@@ -10,8 +11,9 @@ import traceback
 import pytest
 
 from dcpcheck.case_terms import case_terms
+from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.plugin.impl_answers import AnswerError, plain_answer
-from dcpcheck.plugin.known_failures import declare
+from dcpcheck.plugin.known_failures import BEHIND_KNOWN_DEFECT, behind_known_defect, declare
 from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
 from dcpcheck.ranks.launcher import Case
@@ -134,11 +136,38 @@ class DcpRunner:
             self._node.session.shouldstop = result.stop_session
         self._record_phases(result)  # failed cases too: their pool start and compiles took time alike
         if not result.ok:
-            pytest.fail(format_case_failure(result, case), pytrace=False)
+            failure = format_case_failure(result, case)
+            if isinstance(defect, KnownFailure) and defect.cures:
+                self._run_cured(launcher, fn, case, defect, failure)
+            pytest.fail(failure, pytrace=False)
         values = [result.outcomes[rank].value for rank in range(self.world_size)]
         self._record_worst_errors(values)
         self._record_gpu_peaks(result)
         return values
+
+    def _run_cured(self, launcher, fn, case: Case, defect: KnownFailure, failure: str) -> None:
+        """The case once more with its known defects' causes neutralised: it
+        must pass, or a second bug hides behind them (the test then fails
+        whatever its first run showed)."""
+        from dcpcheck.ranks.launcher import LaunchError
+        from dcpcheck.ranks.report import format_case_failure
+
+        cured_case = dataclasses.replace(case, cures=defect.cures)
+        try:
+            cured = launcher.run(fn, cured_case)
+        except LaunchError as exc:
+            cured_failure = str(exc)
+        else:
+            if cured.ok:
+                return
+            cured_failure = format_case_failure(cured, cured_case)
+        behind_known_defect(self._node)
+        pytest.fail(
+            f"{BEHIND_KNOWN_DEFECT}: with {self.session.impl_spec}'s cures {', '.join(defect.cures)} (the known "
+            f"defect's cause neutralised: {defect.reason}) the case still fails:\n{cured_failure}\n\n"
+            f"the run with the known defect:\n{failure}",
+            pytrace=False,
+        )
 
     def _answers_before_launch(self, case: Case) -> tuple:
         """-> (why the case is unavailable, its known defect, why asking

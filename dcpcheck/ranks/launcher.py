@@ -40,6 +40,7 @@ class Case:
     params: dict[str, Any]  # the rank function's keyword arguments
     terms: CaseTerms  # the case in the contract's terms, as the implementation was asked about it
     header: dict[str, Any]  # what every failure message of the case opens with (stage, W, device, ...)
+    cures: tuple[str, ...] = ()  # the known defects' causes the implementation neutralises in this run
 
     def describe(self) -> str:
         """The header as one line: ``stage=... | W=... | ... | seed=...``."""

@@ -7,6 +7,7 @@ failure and may return a small picklable value (stats for the summary).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -123,10 +124,16 @@ def _release_gpu_memory(device: torch.device) -> tuple[str, int]:
     return str(device), peak
 
 
+def _cured(impl, cures: tuple[str, ...]):
+    """The implementation with the causes of the case's cured known defects neutralised (none: as it is)."""
+    return impl.cured(cures) if cures else contextlib.nullcontext()
+
+
 def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
     start = time.perf_counter()
     try:
-        value = fn(ctx, **ctx.case.params)
+        with _cured(ctx.impl, ctx.case.cures):
+            value = fn(ctx, **ctx.case.params)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
     except BaseException as exc:  # noqa: BLE001 - every way out of a rank function is reported, with its rank

@@ -355,17 +355,19 @@ def _innermost_frame(thread: threading.Thread) -> str:
 
 def _answers_as_json(answers) -> str:
     """Rank 0's answers before launch, as the store carries them: strings and
-    None, a known defect as its two strings; never a pickled class (the
+    None, a known defect as its strings; never a pickled class (the
     implementation's own KnownFailure subclass need not unpickle on a peer)."""
     reason, defect, failure = answers
     if isinstance(defect, KnownFailure):
-        defect = [defect.reason, defect.shows]
+        defect = [defect.reason, defect.shows, list(defect.cures)]
     return json.dumps([reason, defect, failure])
 
 
 def _answers_from_json(posted: str) -> tuple:
     reason, defect, failure = json.loads(posted)
-    return reason, KnownFailure(*defect) if isinstance(defect, list) else defect, failure
+    if isinstance(defect, list):
+        defect = KnownFailure(defect[0], defect[1], tuple(defect[2]))
+    return reason, defect, failure
 
 
 def _shown(value) -> str:

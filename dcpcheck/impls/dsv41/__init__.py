@@ -30,6 +30,7 @@ The port fuses its stage-3 steps into ``_run_sm120_dcp``, so
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from dcpcheck.impls.conventions import Conventions
 from dcpcheck.impls.dsv41 import prefill, reference_kernel, serving, stand_ins
 from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
+from dcpcheck.impls.dsv41.cures import check_cures, cured_layer
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
 from dcpcheck.impls.dsv41.layer import (
@@ -96,6 +98,20 @@ class Dsv41Implementation:
         )
         # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
         self.cache_mirrors: dict[int, tuple] = {}
+        self.cures: tuple[str, ...] = ()  # the findings neutralised in this run of a case (cures.py)
+
+    @contextlib.contextmanager
+    def cured(self, cures):
+        """Calls into the port's layers with the findings named by ``cures`` neutralised (:mod:`.cures`)."""
+        self.cures = check_cures(tuple(cures))
+        try:
+            yield
+        finally:
+            self.cures = ()
+
+    def calling(self, layer):
+        """A context manager for one call into ``layer``: the case's cures applied to it."""
+        return cured_layer(layer, self.cures)
 
     def describe(self) -> str:
         tree = f"tree: {self.tree.spec.module}.{self.tree.spec.cls}"
@@ -177,13 +193,14 @@ class Dsv41Implementation:
         rho,
     ):
         layer = self._port_layer(topk.device, world_size, rank, interleave, rho=rho)
-        return layer._compressed_topk_to_slots(
-            topk.to(torch.int32),
-            token_to_req.to(torch.int32),
-            block_table,
-            bs,
-            is_valid_token.bool(),
-        )
+        with self.calling(layer):
+            return layer._compressed_topk_to_slots(
+                topk.to(torch.int32),
+                token_to_req.to(torch.int32),
+                block_table,
+                bs,
+                is_valid_token.bool(),
+            )
 
     def _port_layer(self, device, world_size, rank, interleave, *, rho, head_dim=64, backend="a2a"):
         """A layer of that rank and compress ratio; ``interleave`` in states (its
@@ -238,15 +255,18 @@ class Dsv41Implementation:
     # ---- stage 9: one _dcp_prefill_gather call each -------------------------
     def prefill_geometry(self, seq_lens, *, rho, bs, world_size):
         layer = self._port_layer(seq_lens.device, world_size, 0, 1, rho=rho)
-        return prefill.geometry(layer, seq_lens, rho=rho, bs=bs)
+        with self.calling(layer):
+            return prefill.geometry(layer, seq_lens, rho=rho, bs=bs)
 
     def prefill_gather(self, comp_cache, block_table, geometry, group, *, bs):
         layer = self._port_layer(group.device, group.world_size, group.rank_in_group, 1, rho=geometry.rho)
-        return prefill.gather(layer, comp_cache, block_table, geometry, group, bs=bs)
+        with self.calling(layer):
+            return prefill.gather(layer, comp_cache, block_table, geometry, group, bs=bs)
 
     def prefill_remap(self, topk, token_to_req, is_valid_token, geometry, *, bs, world_size, interleave):
         layer = self._port_layer(topk.device, world_size, 0, interleave, rho=geometry.rho)
-        return prefill.remap(layer, topk, token_to_req, is_valid_token, geometry, bs=bs)
+        with self.calling(layer):
+            return prefill.remap(layer, topk, token_to_req, is_valid_token, geometry, bs=bs)
 
     # ---- stage 3 -----------------------------------------------------------
     def combine(self, out, lse, group, *, backend="ag_rs", lse_base=2.0, return_lse=False):
@@ -271,7 +291,8 @@ class Dsv41Implementation:
         layer = self._port_layer(
             out.device, group.world_size, group.rank_in_group, 1, rho=1, head_dim=out.shape[2], backend=backend
         )
-        return run_step(layer, out, lse, sink, swa_indices, swa_lens, group)
+        with self.calling(layer):
+            return run_step(layer, out, lse, sink, swa_indices, swa_lens, group)
 
     def build_attention(
         self,

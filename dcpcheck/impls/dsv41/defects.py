@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from dcpcheck.impls.dsv41.cures import COMBINE_CONTEXT_PER_CALL, READ_UNIT_IN_STATES, REMAP_PER_INDEX_SOURCE
 from dcpcheck.impls.dsv41.kernel_calls import LSE_SCALE_MISSING
 from dcpcheck.impls.dsv41.serving import (
     COMBINE_CONTEXT,
@@ -116,18 +117,20 @@ def port_defect(terms, findings) -> KnownFailure | None:
         ]
         if shows:
             reason = f"{INTERLEAVE_UNIT}: {findings.read_unit}"
-            defects.append(KnownFailure(reason, "|".join([*shows, SHOWS_INTERLEAVE_OVER_PAGE])))
+            shows = "|".join([*shows, SHOWS_INTERLEAVE_OVER_PAGE])
+            defects.append(KnownFailure(reason, shows, (READ_UNIT_IN_STATES,)))
     if (
         "port_heads" in terms.properties
         and terms.backend == "ag_rs"
         and findings.combine_context
         and {"combine", "fused_combine"} & terms.capabilities
     ):
-        defects.append(KnownFailure(f"{findings.combine_context}; {COMBINE_CONTEXT_REUSED}", SHOWS_RELAUNCH_REFUSED))
+        reason = f"{findings.combine_context}; {COMBINE_CONTEXT_REUSED}"
+        defects.append(KnownFailure(reason, SHOWS_RELAUNCH_REFUSED, (COMBINE_CONTEXT_PER_CALL,)))
     if "build_attention" not in terms.capabilities:
         return KnownFailure.joined(defects)
     if "adjacent_index_sources" in terms.properties:
-        defects.append(KnownFailure(STALE_INDEX_CACHE, SHOWS_LATER_GATHER_LAYER))
+        defects.append(KnownFailure(STALE_INDEX_CACHE, SHOWS_LATER_GATHER_LAYER, (REMAP_PER_INDEX_SOURCE,)))
     if "stage_value_empty" in terms.properties:
         defects.append(KnownFailure(STAGE_VALUE_EMPTY, SHOWS_EMPTY_STAGE))
     if "stage_value_not_integer" in terms.properties:

@@ -341,7 +341,7 @@ class PortAttention:
         layer.swa_cache_layer.kv_cache = self._mirror(swa_cache, (swa_cache.shape[0], 1, head_dim))
         comp = None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
         output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
-        with cuda_query_stand_ins(), self._forward_context(layer, plan, comp):
+        with cuda_query_stand_ins(), self._forward_context(layer, plan, comp), self.impl.calling(layer):
             layer.forward_mqa(q[order].to(torch.bfloat16), None, None, output)
         result = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         result[order] = output[:, : q.shape[1]].to(q.dtype)

@@ -1,0 +1,69 @@
+"""No bug hides behind a finding of the DCP2 port: a tree whose vLLM DCP
+writer (``v1/attention/backends/mla/compressor_utils.py``, a file of the
+porter's stack other than the port's) writes ratio-2 states one state late
+under DCP fails the ratio-2 e2e case that finding 1 (the read side's
+interleave unit) makes an expected failure. The finding's cure (the read
+side in states) runs the case again, and the writer's bug fails it; without
+the cure the case stayed xfailed, the second bug unseen.
+
+Needs vLLM on CPU (``tools/install_vllm_cpu.sh``); ``.ci/run`` runs this file
+after installing it."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.selftest.inner import inner_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED_DIFF = ROOT.parent / "shared" / "seeds" / "002_ce6637cb7dfa2225.txt"
+WRITER = "vllm/v1/attention/backends/mla/compressor_utils.py"
+STATE_LINE = "            pos_after_compress = local_pos // COMPRESS_RATIO\n"
+# One state late at W > 1 for ratio 2 only: every other case writes as vLLM does.
+STATE_LINE_LATE = (
+    "            pos_after_compress = local_pos // COMPRESS_RATIO + (dcp_world_size - 1) * (COMPRESS_RATIO // 2)\n"
+)
+RATIO2_CASE = "tests/e2e/test_serving_trace.py::test_layer_order_within_a_step[W2-interleaved_kv_groups]"
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="needs vLLM on CPU (tools/install_vllm_cpu.sh); .ci/run runs this file after installing it",
+    ),
+    pytest.mark.skipif(
+        not SEED_DIFF.is_file(), reason=f"needs the seed diff at {SEED_DIFF} (shared/ beside the checkout)"
+    ),
+]
+
+
+def _tree_with_late_writer(folder: Path) -> Path:
+    build = [str(ROOT / "tools" / "build_dsv41_tree.sh"), str(folder), str(SEED_DIFF), sys.prefix]
+    subprocess.run(build, check=True, capture_output=True)
+    writer = folder / WRITER
+    source = writer.read_text()
+    assert source.count(STATE_LINE) == 1, f"vLLM's {WRITER} changed: edit this test"
+    writer.unlink()  # a link to the installed vLLM's file: the tree gets its own
+    writer.write_text(source.replace(STATE_LINE, STATE_LINE_LATE))
+    return folder
+
+
+def test_a_writer_bug_behind_finding_1_fails_its_case(tmp_path):
+    tree = _tree_with_late_writer(tmp_path / "tree")
+    args = ["--dcp-impl", "dsv41", "--dcp-timeout", "600", "--world-sizes", "2", "-p", "no:cacheprovider", "-q"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, RATIO2_CASE],
+        cwd=ROOT,
+        env=inner_env(PYTHONPATH=str(tree), CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "1 failed" in output, output[-5000:]
+    assert "a second bug behind the known defect: with dsv41's cures read_unit_in_states" in output, output[-5000:]
+    assert "DCP-W vs float64 oracle" in output.split("the case still fails:")[1], output[-5000:]
