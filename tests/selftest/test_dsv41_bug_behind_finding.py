@@ -11,17 +11,12 @@ after installing it."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
 
 from tests.selftest.inner import inner_env
+from tests.selftest.scratch_trees import NEEDS_VLLM_AND_SEED, ROOT, replace_in_tree, seed_tree
 
-ROOT = Path(__file__).resolve().parents[2]
-SEED_DIFF = ROOT.parent / "shared" / "seeds" / "002_ce6637cb7dfa2225.txt"
 WRITER = "vllm/v1/attention/backends/mla/compressor_utils.py"
 STATE_LINE = "            pos_after_compress = local_pos // COMPRESS_RATIO\n"
 # One state late at W > 1 for ratio 2 only: every other case writes as vLLM does.
@@ -30,30 +25,12 @@ STATE_LINE_LATE = (
 )
 RATIO2_CASE = "tests/e2e/test_serving_trace.py::test_layer_order_within_a_step[W2-interleaved_kv_groups]"
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="needs vLLM on CPU (tools/install_vllm_cpu.sh); .ci/run runs this file after installing it",
-    ),
-    pytest.mark.skipif(
-        not SEED_DIFF.is_file(), reason=f"needs the seed diff at {SEED_DIFF} (shared/ beside the checkout)"
-    ),
-]
-
-
-def _tree_with_late_writer(folder: Path) -> Path:
-    build = [str(ROOT / "tools" / "build_dsv41_tree.sh"), str(folder), str(SEED_DIFF), sys.prefix]
-    subprocess.run(build, check=True, capture_output=True)
-    writer = folder / WRITER
-    source = writer.read_text()
-    assert source.count(STATE_LINE) == 1, f"vLLM's {WRITER} changed: edit this test"
-    writer.unlink()  # a link to the installed vLLM's file: the tree gets its own
-    writer.write_text(source.replace(STATE_LINE, STATE_LINE_LATE))
-    return folder
+pytestmark = NEEDS_VLLM_AND_SEED
 
 
 def test_a_writer_bug_behind_finding_1_fails_its_case(tmp_path):
-    tree = _tree_with_late_writer(tmp_path / "tree")
+    tree = seed_tree(tmp_path / "tree")
+    replace_in_tree(tree, WRITER, STATE_LINE, STATE_LINE_LATE)
     args = ["--dcp-impl", "dsv41", "--dcp-timeout", "600", "--world-sizes", "2", "-p", "no:cacheprovider", "-q"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", *args, RATIO2_CASE],

@@ -11,7 +11,6 @@ after installing it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SEED_DIFF = ROOT.parent / "shared" / "seeds" / "002_ce6637cb7dfa2225.txt"
+from tests.selftest.scratch_trees import NEEDS_VLLM_AND_SEED, ROOT, replace_in_tree, seed_tree
+
 ATTENTION = "vllm/models/deepseek_v41/attention.py"
 DISTRIBUTED_IMPORT = "from vllm.distributed import get_pcp_group, get_tensor_model_parallel_world_size\n"
 SINK_LINE = "        self.attn_sink = make_attention_sink(self.padded_heads, torch.float32)\n"
@@ -41,30 +40,17 @@ impl = Dsv41Implementation()
 print(json.dumps({"line": MANIFEST[1].line(impl), "read_unit": impl.findings.read_unit}))
 """
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="needs vLLM on CPU (tools/install_vllm_cpu.sh); .ci/run runs this file after installing it",
-    ),
-    pytest.mark.skipif(
-        not SEED_DIFF.is_file(), reason=f"needs the seed diff at {SEED_DIFF} (shared/ beside the checkout)"
-    ),
-]
+pytestmark = NEEDS_VLLM_AND_SEED
 
 
 def _tree(folder: Path, stack_sets_dcp: bool) -> Path:
-    build = [str(ROOT / "tools" / "build_dsv41_tree.sh"), str(folder), str(SEED_DIFF), sys.prefix]
-    subprocess.run(build, check=True, capture_output=True)
+    tree = seed_tree(folder)
     if stack_sets_dcp:
-        attention = folder / ATTENTION
-        source = attention.read_text()
-        assert SINK_LINE in source and DISTRIBUTED_IMPORT in source, f"vLLM's {ATTENTION} changed: edit this test"
-        attention.unlink()  # a link to the installed vLLM's file: the tree gets its own
-        source = source.replace(SINK_LINE, STACK_DCP_ATTRIBUTES + SINK_LINE)
-        attention.write_text(
-            source.replace(DISTRIBUTED_IMPORT, "from vllm.distributed import get_dcp_group\n" + DISTRIBUTED_IMPORT)
+        replace_in_tree(tree, ATTENTION, SINK_LINE, STACK_DCP_ATTRIBUTES + SINK_LINE)
+        replace_in_tree(
+            tree, ATTENTION, DISTRIBUTED_IMPORT, "from vllm.distributed import get_dcp_group\n" + DISTRIBUTED_IMPORT
         )
-    return folder
+    return tree
 
 
 def _report(tree: Path) -> dict:
