@@ -279,6 +279,41 @@ def tolerance_for(quantity: str, dtype: torch.dtype) -> Tolerance:
         raise KeyError(f"no tolerance for {quantity} in {dtype}; the table has: {known}") from None
 
 
+# A merge that rounds each weighted term b^(lse_r - L) * out_r to a 16-bit
+# dtype and sums the terms in it (vLLM's ag_rs: a 16-bit reduce-scatter), in
+# whatever order, is off from the exact merge by at most
+# gamma_(W-1) * sum_r |term_r| before its last rounding (gamma_n = n u / (1 - n u),
+# u the unit roundoff: a term meets at most W - 1 roundings on its way to the
+# last addition), plus that last rounding, <= u |result|, plus its fp32
+# weights' error. A combine that rounds once is off by u |result| plus its own
+# fp32 error. The "out" rtol (4.1 u) takes both roundings, against the exact
+# merge or against each other; the rest must fit in atol (2.05 u). With weights
+# summing to 1, sum_r |term_r| <= max_r |out_r|: bounding the partials bounds it.
+FP32_WEIGHTS_ERROR = 2.0**-15  # relative, either combine: its fp32 weights (7.6e-6 at |LSE| = 150) and fp32 sum
+
+
+def out_amplitude_summable_in(dtype: torch.dtype, world_size: int) -> float:
+    """The largest power of two M <= 1 such that W partials with |out| <= M
+    wherever they have weight, merged by weights summing to 1, stay within the
+    "out" tolerance of the exact merge and of a merge rounded once, even when
+    every weighted term and every partial sum is rounded to ``dtype``, in any
+    order: 1, 1, 1/2, 1/4 at W = 1, 2, 4, 8 for fp16 and bf16."""
+    tolerance = tolerance_for("out", dtype)
+    u = torch.finfo(dtype).eps / 2
+    if tolerance.rtol < 2 * u / (1 - 3 * u):
+        raise ValueError(f"the out rtol in {dtype} does not take two roundings of the result")
+    roundings = world_size - 1
+    gamma = roundings * u / (1 - roundings * u)
+    # Each of the 2W - 1 roundings may also lose half the smallest subnormal.
+    underflow = (2 * world_size - 1) * torch.finfo(dtype).smallest_normal * u
+    budget = tolerance.atol * (1 - 3 * u) - underflow
+    error_per_amplitude = gamma * (1 + FP32_WEIGHTS_ERROR) + 2 * FP32_WEIGHTS_ERROR
+    amplitude = 1.0
+    while amplitude * error_per_amplitude > budget:
+        amplitude /= 2
+    return amplitude
+
+
 def format_context(context: Mapping[str, Any] | None) -> str:
     """``stage=3 backend=a2a lse_base=e W=4 rank=1`` (keys in the caller's order)."""
     if not context:

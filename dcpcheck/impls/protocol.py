@@ -59,6 +59,9 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
     "rounded_once": "a 16-bit combine held to one rounding of the exact merge (compare.py's out_rounded_once): "
     "summing or rescaling in the 16-bit dtype fails it",
+    "cancelling_terms": "16-bit partials whose weighted terms b^(lse_r - L) * out_r cancel: each lies 7/16 of an "
+    "ulp from the 16-bit value nearest it, all on one side, and those values sum to exactly 0 in any order, so a "
+    "merge that rounds each term to the dtype leaves the 'out' tolerance on every element",
     "dsv41_ratio2": "DeepSeek-V4.1 compressed layers of ratio 2 (a state is two tokens, so the interleave's "
     "unit matters), written and read at W > 1",
     "tree_compressed_writer": "the compressed write side the tree serves with (its DSV4.1 metadata builder), "
