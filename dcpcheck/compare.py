@@ -225,7 +225,9 @@ class Tolerance:
 
 # (quantity, dtype of the result) -> tolerance. "out": an attention or combine
 # output (values O(1)) against a float64 reference computed from the same,
-# already rounded, inputs; for fp16/bf16 atol is one ulp at 1 and rtol two ulps
+# already rounded, inputs (a quantized cache's too: the oracle reads the values
+# its record gives back, exact in bf16, so fp8_ds_mla adds no term; CONTRACT.md
+# §8 derives it); for fp16/bf16 atol is one ulp at 1 and rtol two ulps
 # (the partials round once, the merged output once more); for fp32 both cover
 # the fp32 softmax and merge arithmetic. "lse": an fp32 LSE (fp32 math, values
 # up to a few hundred). Measured worst |err| / allowed on CPU and H200: <= 0.4.

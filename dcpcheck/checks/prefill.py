@@ -13,6 +13,7 @@ from dcpcheck.checks.cases import checked_layer_output, own_heads
 from dcpcheck.compare import coarser_dtype, format_context
 from dcpcheck.impls.conventions import conventions_of
 from dcpcheck.oracle import attention as oracle
+from dcpcheck.oracle.kv_cache import stored_values
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
@@ -58,7 +59,8 @@ def prefill_step(
 ) -> PrefillStep:
     """``num_heads`` None: NUM_HEADS, or the heads per rank the implementation
     declares times W. q, the states and the window are rounded to its declared
-    layer dtype, as its layer rounds them."""
+    layer dtype, as its layer rounds them, and the states and the window through
+    its declared cache record."""
     declared = conventions_of(ctx.impl)
     if num_heads is None:
         num_heads = declared.local_heads * ctx.world_size if declared.local_heads else NUM_HEADS
@@ -74,6 +76,12 @@ def prefill_step(
             inputs,
             **{name: getattr(inputs, name).to(tolerance_dtype).to(dtype) for name in ("q", "states", "swa_cache")},
         )
+    if declared.kv_cache_format is not None:
+        # What the layer's caches give back, which is what its kernel reads.
+        stored = {
+            name: stored_values(getattr(inputs, name), declared.kv_cache_format) for name in ("states", "swa_cache")
+        }
+        inputs = replace(inputs, **stored)
     table = rank_block_table(batch, ctx.rank)
     cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
     full_context = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.oracle.attention import SINK_SCHEMES
+from dcpcheck.oracle.kv_cache import KV_CACHE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class Conventions:
     # the oracle rounds its inputs the same way and the tolerance is that of
     # the dtype the test asked for or this one, whichever is coarser. None: as given.
     layer_dtype: torch.dtype | None = None
+    # The packed record the layer's caches hold (one of KV_CACHE_FORMATS, e.g.
+    # vLLM's fp8_ds_mla): the suite draws the latents and states as that record
+    # gives them back, so the oracle reads what the layer reads. None: plain rows.
+    kv_cache_format: str | None = None
     # The LSE the implementation writes for a row with no candidate (and no sink).
     empty_lse: float = -1e30
     # Heads per rank the attention layer needs (its kernels' h_q); None: any.
@@ -47,6 +52,11 @@ class Conventions:
     fused_prefill: bool = False
 
     def __post_init__(self):
+        if self.kv_cache_format is not None and self.kv_cache_format not in KV_CACHE_FORMATS:
+            raise ValueError(
+                f"Conventions.kv_cache_format={self.kv_cache_format!r}; accepted: None or "
+                + ", ".join(map(repr, KV_CACHE_FORMATS))
+            )
         if self.sink_scheme not in SINK_SCHEMES:
             raise ValueError(
                 f"Conventions.sink_scheme={self.sink_scheme!r}; accepted: {', '.join(map(repr, SINK_SCHEMES))}"

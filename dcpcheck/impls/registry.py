@@ -53,7 +53,8 @@ INSTALL_HINT = (
 
 ACCEPTED = (
     "'port' (the embedded reference port), 'vllm' (an installed vLLM tree's DCP primitives), "
-    "'dsv41' or 'dsv41:MODULE:CLASS' (a vLLM tree's DCP2 DeepSeek-V4.1 attention layer), "
+    "'dsv41' or 'dsv41:MODULE:CLASS' (a vLLM tree's DCP2 DeepSeek-V4.1 attention layer; '@bfloat16' after "
+    "either: bf16 caches instead of fp8_ds_mla), "
     "'pkg.module:attr' or 'path/to/file.py:attr' (your own implementation)"
 )
 
@@ -185,7 +186,7 @@ def _stuck_loading(spec: str, seconds: float, frame) -> str:
 def _load(spec: str):
     if spec in BUILTIN:
         return _built_in(spec, BUILTIN[spec])
-    if spec == "dsv41" or spec.startswith("dsv41:"):
+    if spec == "dsv41" or spec.startswith(("dsv41:", "dsv41@")):
         return _built_in(spec, lambda: _dsv41_tree(spec))
     if ":" not in spec:
         raise ImplSpecError(f"--dcp-impl {spec!r} is not recognised; accepted: {ACCEPTED}")

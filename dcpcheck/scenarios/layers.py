@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dcpcheck.oracle.kv_cache import stored_values
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.batch import KvLayout
 from dcpcheck.scenarios.indexer import indexer_topk
@@ -93,13 +94,17 @@ class LayerTensors:
         head_dim: int,
         seed: int,
         rounded_to: torch.dtype | None = None,
+        kv_cache_format: str | None = None,
         kv_from: LayerTensors | None = None,
         topk_from: LayerTensors | None = None,
         common_component: float = 0.0,
     ):
         """``rounded_to``: the dtype the layer under test computes in; q, the
         latents and the states are drawn in fp32 and rounded through it, so
-        the oracle reads exactly what that layer reads. ``kv_from``: the
+        the oracle reads exactly what that layer reads. ``kv_cache_format``:
+        the packed record the layer's caches hold (:mod:`dcpcheck.oracle.kv_cache`);
+        the latents and states are then drawn as it gives them back, for the
+        same reason. ``kv_from``: the
         kv-source layer's data, whose latents and states this layer shares;
         ``topk_from``: the index-source layer's data, whose top-k it reads.
         ``common_component``: the value of dimension 0 of every q and latent
@@ -115,6 +120,9 @@ class LayerTensors:
         def rounded(x: torch.Tensor) -> torch.Tensor:
             return x if rounded_to is None else x.to(rounded_to).to(x.dtype)
 
+        def cached(x: torch.Tensor) -> torch.Tensor:
+            return rounded(x) if kv_cache_format is None else stored_values(rounded(x), kv_cache_format)
+
         self.q, self.latent, self.states = {}, {}, {}
         for request in requests:
             self.q[request.uid] = rounded(torch.randn(request.final_len, num_heads, head_dim, generator=gen))
@@ -126,11 +134,12 @@ class LayerTensors:
                     kv_from.states[request.uid],
                 )
                 continue
-            self.latent[request.uid] = rounded(torch.randn(request.final_len, head_dim, generator=gen))
+            latent = torch.randn(request.final_len, head_dim, generator=gen)
             if common_component:
-                self.latent[request.uid][:, 0] = common_component
+                latent[:, 0] = common_component
+            self.latent[request.uid] = cached(latent)
             if spec.compressed:
-                self.states[request.uid] = rounded(compress_states(self.latent[request.uid], spec.rho))
+                self.states[request.uid] = cached(compress_states(self.latent[request.uid], spec.rho))
                 if spec.rho == 128 and request.final_len // spec.rho > spec.top_k:
                     raise ValueError(
                         f"C128A reads every state: top_k={spec.top_k} < {request.final_len // spec.rho} states"

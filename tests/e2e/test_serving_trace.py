@@ -116,6 +116,7 @@ def check_serving_trace(
                 head_dim=HEAD_DIM,
                 seed=ctx.seed + 7919 * index,
                 rounded_to=declared.layer_dtype,
+                kv_cache_format=declared.kv_cache_format,
                 kv_from=None if spec.kv_source is None else tensors[spec.kv_source],
                 topk_from=None if spec.index_source is None else tensors[spec.index_source],
                 common_component=common_component,

@@ -31,6 +31,7 @@ The port fuses its stage-3 steps into ``_run_sm120_dcp``, so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -41,6 +42,7 @@ from dcpcheck.impls.dsv41.combine import in_port_domain, run_step
 from dcpcheck.impls.dsv41.cures import check_cures, cured_layer
 from dcpcheck.impls.dsv41.defects import inherited_defect, port_defect
 from dcpcheck.impls.dsv41.driver import PortAttention
+from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA
 from dcpcheck.impls.dsv41.layer import (
     TOPK_TILE,
     LayerSpec,
@@ -70,6 +72,7 @@ class Dsv41Implementation:
         sink_scheme="rank0",  # _dcp_attn_sink: the gathered sink goes to the kernel on DCP rank 0 only
         filter_takes_ratio=True,  # the layer's cp_kv_cache_interleave_size is in tokens: interleave * rho
         fused_prefill=True,  # _forward_prefill calls _dcp_prefill_gather, not the prefill capabilities
+        kv_cache_format=FP8_DS_MLA,  # the layer's default kv_cache_dtype; None in the bf16 variant
     )
     max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
 
@@ -78,6 +81,9 @@ class Dsv41Implementation:
 
         self.vllm = VllmImplementation()  # sets up triton for vLLM on CPU; the tree's own functions
         self.tree = PortTree(PortSpec.parse(spec))
+        self.kv_cache_dtype = self.tree.spec.kv_cache_dtype
+        if self.kv_cache_dtype != FP8_DS_MLA:  # dcpcheck's bf16 variant: plain rows, rounded as layer_dtype
+            self.conventions = dataclasses.replace(self.conventions, kv_cache_format=None)
         index_topk()  # read from the tree's indexer now: a tree without it is a usage error at start
         self.kernel = self.tree.kernel
         self._port_layers: dict[tuple, object] = {}
@@ -96,7 +102,7 @@ class Dsv41Implementation:
                 backend=backend,
             ),
         )
-        # id(suite cache) -> (a weak reference to it, its bf16 copy at a fixed address)
+        # id(suite cache) -> (a weak reference to it, its copy in kv_cache_dtype at a fixed address)
         self.cache_mirrors: dict[int, tuple] = {}
         self.cures: tuple[str, ...] = ()  # the findings neutralised in this run of a case (cures.py)
 
@@ -136,10 +142,15 @@ class Dsv41Implementation:
             )
         )
         served = (
-            f"served as: KV cache format bf16 (vLLM's default fp8_ds_mla: stand-in below) | SWA pages of 1 token | "
+            f"served as: KV cache format {self._cache_format()} | SWA pages of {stand_ins.swa_block_size()} tokens | "
             f"top-k width {index_topk()} (vLLM serves {', '.join(map(str, stand_ins.served_topk_widths()))} under DCP) | FlashInfer {self.tree.flashinfer.sources.version}'s SM120 entry signature"
         )
         return "\n".join([first, served, *stand_ins.header_lines(self)])
+
+    def _cache_format(self) -> str:
+        if self.kv_cache_dtype == FP8_DS_MLA:
+            return "fp8_ds_mla, vLLM's default (its record scaled to the case's head dim: stand-in below)"
+        return f"{self.kv_cache_dtype} (dcpcheck's variant, --dcp-impl ...@{self.kv_cache_dtype}; vLLM's default is fp8_ds_mla)"
 
     @property
     def prefill_chunk_size(self) -> int:

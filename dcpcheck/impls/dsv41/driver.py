@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dcpcheck.impls.dsv41 import kv_cache_format
 from dcpcheck.impls.dsv41.layer import (
     NULL_PAGE,
     LayerSpec,
@@ -18,6 +19,15 @@ from dcpcheck.impls.dsv41.layer import (
     padded_topk_width,
 )
 from dcpcheck.impls.dsv41.serving import build_compressed_metadata
+from dcpcheck.impls.dsv41.stand_ins import swa_block_size
+from dcpcheck.impls.dsv41.swa_pages import (
+    WindowPages,
+    allocate_swa_cache,
+    build_swa_metadata,
+    place_window,
+    swa_builder,
+    swa_cache_spec,
+)
 from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
 
 
@@ -25,20 +35,15 @@ from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
 class StepMetadata:
     """One step's metadata for the layers of one KV layout (vLLM's per-KV-group objects)."""
 
-    swa: object  # DeepseekSparseSWAMetadata
+    swa: object  # DeepseekSparseSWAMetadata, from the tree's SWA builder
+    swa_pages: WindowPages  # where the suite's window buffer sits in SWA pages
+    window: int
     compressed: object | None  # DeepseekV4FlashMLAMetadata (rho >= 1)
     order: torch.Tensor  # [T'] rows of the suite's step, in vLLM's order
     num_rows: int  # T: rows of the suite's step
     comp_write_slots: torch.Tensor | None  # [T] int64, suite order
     swa_write_slots: torch.Tensor | None  # [T] int64, suite order
     layout: tuple
-
-
-def _compact_prefix(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, N] with -1 anywhere -> (the valid entries first, -1 after; lengths int32)."""
-    valid = slots >= 0
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    return torch.gather(slots, 1, order).to(torch.int32), valid.sum(dim=1, dtype=torch.int32)
 
 
 def check_sources_agree(layer, stack) -> None:
@@ -87,6 +92,8 @@ class PortAttention:
         self.prefill_token_chunk = prefill_token_chunk
         self.max_model_len = max_model_len
         self._layer = None
+        self._swa_builders: dict[tuple, object] = {}  # (window, widest decode, device) -> the tree's SWA builder
+        self._swa_cache: torch.Tensor | None = None  # this layer's SWA pages, as vLLM allocates them
 
     @property
     def layout(self):
@@ -105,8 +112,6 @@ class PortAttention:
         swa_write_slots=None,
         block_table=None,
     ):
-        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
-
         device = token_to_req.device
         num_rows = token_to_req.shape[0]
         requests = token_to_req.long()
@@ -120,37 +125,32 @@ class PortAttention:
         padding_rows = (~valid).nonzero().flatten()
         decode_only = not bool(is_prefill.any())
         order = torch.cat([real_rows, padding_rows]) if decode_only else real_rows
-        num_decodes = int((~is_prefill).sum())
         query_lens = torch.bincount(new_index[requests[real_rows]], minlength=request_order.numel())
-        num_decode_tokens = int(query_lens[:num_decodes].sum()) + (padding_rows.numel() if decode_only else 0)
-        num_prefill_tokens = int(query_lens[num_decodes:].sum())
+        num_decodes = int((~is_prefill).sum())
 
         token_to_req_new = torch.where(valid[order], new_index[requests[order]], 0).to(torch.int32)
         query_start = torch.zeros(request_order.numel() + 1, dtype=torch.int32, device=device)
         query_start[1:] = torch.cumsum(query_lens, 0)
-        swa_indices, swa_lens = _compact_prefix(swa_slots[order])
-        swa_lens = torch.where(valid[order], swa_lens, 0)
-        window = swa_indices.shape[1]
         seq_lens_new = seq_lens[request_order].to(torch.int32)
-        swa = DeepseekSparseSWAMetadata(
-            block_table=torch.zeros((request_order.numel(), 1), dtype=torch.int32, device=device),
-            slot_mapping=torch.full((order.numel(),), -1, dtype=torch.int64, device=device),
-            block_size=1,
+        window = swa_slots.shape[1]
+        swa_pages = place_window(
+            self.impl.vllm,
+            swa_slots[order],
+            positions[order],
+            valid[order],
+            token_to_req_new,
+            seq_lens_new,
+            max_model_len=self.max_model_len,
+        )
+        # The builder's decode threshold, 1 + num_speculative_tokens: the widest decode (MTP verification).
+        decode_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 1
+        swa = build_swa_metadata(
+            self._swa_builder(window, decode_query_len, device),
+            pages=swa_pages,
+            query_start=query_start,
             seq_lens=seq_lens_new,
-            query_start_loc=query_start,
-            query_start_loc_cpu=query_start.cpu(),
-            is_valid_token=valid[order].clone(),
-            token_to_req_indices=token_to_req_new,
-            decode_swa_indices=swa_indices[:num_decode_tokens].reshape(num_decode_tokens, 1, window),
-            decode_swa_lens=swa_lens[:num_decode_tokens],
-            decode_swa_width=window,
-            prefill_swa_indices=swa_indices[num_decode_tokens:].reshape(-1, 1, window),
-            prefill_swa_lens=swa_lens[num_decode_tokens:],
+            num_rows=order.numel(),
             num_decodes=num_decodes,
-            num_prefills=request_order.numel() - num_decodes,
-            num_decode_tokens=num_decode_tokens,
-            num_prefill_tokens=num_prefill_tokens,
-            max_decode_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 1,
         )
         compressed = comp_write_slots = None
         if self.rho >= 1:
@@ -168,6 +168,8 @@ class PortAttention:
             )
         return StepMetadata(
             swa,
+            swa_pages,
+            window,
             compressed,
             order,
             num_rows,
@@ -175,6 +177,28 @@ class PortAttention:
             swa_write_slots,
             self.layout,
         )
+
+    def _swa_builder(self, window: int, decode_query_len: int, device):
+        """The tree's SWA metadata builder, one per window, widest decode and device, as vLLM keeps one per
+        KV group. Its spec's head size is the one the SWA backend serves: ``build`` reads only the page size."""
+        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+
+        key = (window, decode_query_len, torch.device(device))
+        if key not in self._swa_builders:
+            layer_cls = getattr(self.impl.tree.module({}), self.impl.tree.spec.cls)
+            spec = swa_cache_spec(
+                head_size=DeepseekSparseSWABackend.get_supported_head_sizes()[0], window=window, dtype=torch.bfloat16
+            )
+            self._swa_builders[key] = swa_builder(
+                layer_cls,
+                spec,
+                window=window,
+                decode_query_len=decode_query_len,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.impl.max_num_batched_tokens,
+                device=device,
+            )
+        return self._swa_builders[key]
 
     def _compressed_metadata(
         self,
@@ -243,7 +267,7 @@ class PortAttention:
         return compressed, write_slots
 
     # ---- per layer -------------------------------------------------------
-    def _port_layer(self, q_local: torch.Tensor, sink: torch.Tensor):
+    def _port_layer(self, q_local: torch.Tensor, sink: torch.Tensor, window: int):
         if self._layer is None:
             spec = LayerSpec(
                 layer_id=self.layer_id,
@@ -254,12 +278,13 @@ class PortAttention:
                 rank=self.group.rank_in_group,
                 local_heads=q_local.shape[1],
                 head_dim=q_local.shape[2],
-                window=0,
+                window=window,
                 sink=sink,
                 topk_buffer=self.impl.topk_buffer(self.group.device),
                 max_num_batched_tokens=self.impl.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 topology=None if self.stack is None else self.stack.topology,
+                kv_cache_dtype=self.impl.kv_cache_dtype,
             )
             self._layer, _ = build_port_layer(
                 self.impl.tree,
@@ -276,16 +301,39 @@ class PortAttention:
             raise ValueError("the dsv41 layer's sink is a weight: it cannot change between forwards")
         return self._layer
 
-    def _mirror(self, cache: torch.Tensor, shape) -> torch.Tensor:
-        """The bf16 copy of a suite cache, refreshed; one per cache for the whole
-        process, so layers sharing a kv source's cache see one address, as in vLLM."""
+    def _mirror(self, cache: torch.Tensor, page: int) -> torch.Tensor:
+        """A suite cache ``[pages * page, D]`` as the layer reads it, in its ``kv_cache_dtype``
+        (:mod:`.kv_cache_format`), refreshed; one per cache for the whole process, so layers
+        sharing a kv source's cache see one address, as in vLLM."""
         known = self.impl.cache_mirrors.get(id(cache))
         if known is None or known[0]() is not cache:
-            known = (weakref.ref(cache), torch.empty(cache.shape, dtype=torch.bfloat16, device=cache.device))
+            num_pages, head_dim = cache.shape[0] // page, cache.shape[1]
+            mirror = kv_cache_format.allocate(self.impl.kv_cache_dtype, num_pages, page, head_dim, cache.device)
+            known = (weakref.ref(cache), mirror)
             self.impl.cache_mirrors[id(cache)] = known
         mirror = known[1]
-        mirror.copy_(cache)
-        return mirror.view(shape)
+        kv_cache_format.write(mirror, torch.arange(cache.shape[0], device=cache.device), cache)
+        return mirror
+
+    def _swa_pages(self, swa_cache: torch.Tensor, plan: StepMetadata, head_dim: int) -> torch.Tensor:
+        """This layer's SWA cache as vLLM allocates it, holding at their slots the suite buffer's rows the
+        step's windows read; every other slot NaN, so a read outside the window poisons the output."""
+        pages = plan.swa_pages
+        cache = self._swa_cache
+        if cache is None or cache.shape[0] < pages.num_pages:
+            if self.impl.kv_cache_dtype == kv_cache_format.FP8_DS_MLA:
+                # vLLM's packed page (its padding as vLLM pads it), in the record scaled to head_dim.
+                cache = kv_cache_format.allocate(
+                    self.impl.kv_cache_dtype, pages.num_pages, swa_block_size(), head_dim, swa_cache.device
+                )
+            else:
+                spec = swa_cache_spec(head_size=head_dim, window=plan.window, dtype=torch.bfloat16)
+                cache = allocate_swa_cache(spec, pages.num_pages, swa_cache.device)
+            self._swa_cache = cache
+        every_slot = torch.arange(cache.shape[0] * cache.shape[1], device=cache.device)
+        kv_cache_format.write(cache, every_slot, torch.full((every_slot.numel(), head_dim), float("nan")))
+        kv_cache_format.write(cache, pages.fill_slots, swa_cache[pages.fill_rows])
+        return cache
 
     @staticmethod
     def _forward_context(layer, plan: StepMetadata, comp):
@@ -323,7 +371,7 @@ class PortAttention:
         if states is not None and self.rho >= 1:
             written = plan.comp_write_slots >= 0
             comp_cache[plan.comp_write_slots[written]] = states[written].to(comp_cache.dtype)
-        layer = self._port_layer(q, sink)
+        layer = self._port_layer(q, sink, plan.window)
         order = plan.order
         rows = order.numel()
         if self.rho >= 1 and layer.is_index_source:
@@ -338,8 +386,8 @@ class PortAttention:
             buffer[:rows].fill_(-1)
             buffer[:rows, : topk.shape[1]] = topk[order].to(torch.int32)
         head_dim = q.shape[2]
-        layer.swa_cache_layer.kv_cache = self._mirror(swa_cache, (swa_cache.shape[0], 1, head_dim))
-        comp = None if self.rho == 0 else self._mirror(comp_cache, (-1, self.bs, head_dim))
+        layer.swa_cache_layer.kv_cache = self._swa_pages(swa_cache, plan, head_dim)
+        comp = None if self.rho == 0 else self._mirror(comp_cache, self.bs)
         output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
         with cuda_query_stand_ins(), self._forward_context(layer, plan, comp), self.impl.calling(layer):
             layer.forward_mqa(q[order].to(torch.bfloat16), None, None, output)

@@ -17,9 +17,10 @@ Here those names come from the source of the release the tree's vLLM pins
   A missing, extra or misnamed argument raises Python's own ``TypeError``
   at the call, naming the entry, as it would on SM120.
 
-Two things differ from the entry, each a scale-down the run header names: the
-head dim is the case's (the entry takes 512 or 576; DSV4.1's is 512, run by the
-GPU profile), and the caches are the driver's bf16 pages.
+One thing differs from the entry, a scale-down the run header names: the head
+dim is the case's (the entry takes 512 or 576; DSV4.1's is 512, run by the GPU
+profile), and with it the width of the fp8_ds_mla record the driver's caches
+hold (:mod:`.kv_cache_format`; bf16 pages in dcpcheck's bf16 variant).
 """
 
 from __future__ import annotations

@@ -20,13 +20,15 @@ shared by every layer of the layout, as vLLM shares it per KV group:
 
 * requests reordered decode-first, padding rows (CUDA-graph padding) after
   the decode rows of a decode-only step, left out of a mixed step;
-* SWA candidates as prefix + lengths ``[T, 1, window]``;
+* the window in SWA pages of DSV4.1's block size, its metadata from the
+  tree's SWA builder (:mod:`.swa_pages`);
 * block tables as wide as ``max_model_len``, unused columns on the null page;
 * each layer publishes its top-k (global state ids, padded with -1 to the
   port's 128-wide tiles) into the one model-wide ``topk_indices_buffer``
   before its forward, as an index-source layer does;
-* bf16 q and caches (the port asserts bf16 q), the caches mirrored once per
-  suite cache so their addresses stay fixed across layers and steps.
+* bf16 q (the port asserts it) and caches in the layer's ``kv_cache_dtype``
+  (vLLM's fp8_ds_mla record, or dcpcheck's bf16 variant: :mod:`.kv_cache_format`),
+  mirrored once per suite cache so their addresses stay fixed across layers and steps.
 
 Then the layer is entered where vLLM's model enters it, ``forward_mqa``: its
 metadata lookup by cache prefix in the forward context, its compressed cache
@@ -45,6 +47,7 @@ import types
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA
 from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES, served_topk_widths
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
 from dcpcheck.spies import environments
@@ -200,6 +203,23 @@ def check_stage_gate(tree: PortTree, group, *, world_size: int) -> None:
         builder_cls(None, [], config, group.device)
 
 
+def _cache_dtypes(layer, base_module, kv_cache_dtype: str) -> tuple[str, torch.dtype]:
+    """The layer's ``kv_cache_dtype`` and ``kv_cache_torch_dtype`` (set after the weights, in
+    ``DeepseekV4Attention.__init__``): fp8_ds_mla as the tree resolves vLLM's default
+    ``--kv-cache-dtype auto`` for this class (``_resolve_dsv4_kv_cache_dtype``), or dcpcheck's bf16 variant."""
+    if kv_cache_dtype != FP8_DS_MLA:
+        return kv_cache_dtype, torch.bfloat16
+    resolved = base_module._resolve_dsv4_kv_cache_dtype(
+        layer._uses_fp8_ds_mla_layout(), "auto", None, layer.packed_kv_cache_dtype
+    )
+    if resolved != (FP8_DS_MLA, torch.uint8):
+        raise PortSpecError(
+            f"{type(layer).__name__} resolves --kv-cache-dtype auto to {resolved}, where dcpcheck writes "
+            f"{FP8_DS_MLA} caches; run --dcp-impl dsv41...@bfloat16 for plain rows"
+        )
+    return resolved
+
+
 class LayerSpec:
     """What the weightless base ``__init__`` gives one layer. ``topology``: the
     DSV4.1 config (``compress_ratios``, ``kv_source_layer_ids``,
@@ -223,6 +243,7 @@ class LayerSpec:
         max_num_batched_tokens,
         max_model_len,
         topology=None,
+        kv_cache_dtype=FP8_DS_MLA,
     ):
         self.__dict__.update(locals())
         del self.__dict__["self"]
@@ -272,7 +293,7 @@ def build_port_layer(
         self.topk_indices_buffer = topk_indices_buffer
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.kv_cache_torch_dtype = torch.bfloat16
+        self.kv_cache_dtype, self.kv_cache_torch_dtype = _cache_dtypes(self, base_module, spec.kv_cache_dtype)
         self._o_proj_block_size = 128
         self.compressed_cache_prefix = (
             None if self.compress_ratio == 0 else base_module._replace_layer_index(prefix, self.kv_source_layer_id)

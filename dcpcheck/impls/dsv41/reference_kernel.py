@@ -5,7 +5,9 @@ The DCP2 port calls the kernel through two names of its module:
 ``flashinfer_trtllm_batch_decode_sparse_mla_dsv4`` (the DCP1 path). This
 module gives both the kernel's documented contract, in plain torch:
 
-* ``query``/``out`` ``[T, H, D]`` bf16; caches paged ``[blocks, block_size, 1, D]``;
+* ``query``/``out`` ``[T, H, D]`` bf16; caches paged ``[blocks, block_size, (1,) C]``: vLLM's
+  ``fp8_ds_mla`` record (uint8, C its bytes per token), each nope value times its
+  tile's scale and the rope dims bf16 (:mod:`.kv_cache_format`), or bf16 rows (C = D);
 * candidates as prefix + lengths: row t attends ``indices[t, :lens[t]]`` (flat
   slots ``block * block_size + offset``) of each cache; entries past the length
   are never read, and a ``-1`` marks an invalid slot, which is skipped;
@@ -29,6 +31,8 @@ import math
 
 import torch
 
+from dcpcheck.impls.dsv41.kv_cache_format import Fp8DsMlaRecord
+
 EMPTY_LSE = -math.inf
 KERNEL_HEADS = (8, 16, 32, 64, 128)  # h_q the SM120 specializations exist for
 
@@ -37,7 +41,7 @@ class KernelContractError(ValueError):
     """The caller broke the kernel's input contract."""
 
 
-def _candidate_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None, what: str):
+def _candidate_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None, what: str, head_dim: int):
     """-> (rows [T, N, D] fp32, valid [T, N] bool) of each token's first ``lens`` slots."""
     num_tokens = lens.shape[0] if lens is not None else indices.shape[0]
     slots = indices.reshape(num_tokens, -1).long()
@@ -48,10 +52,14 @@ def _candidate_rows(cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tens
         if bool((lens.long() > width).any()):
             raise KernelContractError(f"{what}: a length exceeds the index width {width}")
         valid = (torch.arange(width, device=slots.device)[None, :] < lens.long()[:, None]) & (slots >= 0)
-    flat = cache.reshape(-1, cache.shape[-1])
-    if bool((valid & (slots >= flat.shape[0])).any()):
-        raise KernelContractError(f"{what}: a slot is past the end of the cache ({flat.shape[0]} rows)")
-    rows = flat[slots.clamp(0, flat.shape[0] - 1)].float()
+    num_slots = cache.shape[0] * cache.shape[1] if cache.dtype == torch.uint8 else cache.numel() // cache.shape[-1]
+    if bool((valid & (slots >= num_slots)).any()):
+        raise KernelContractError(f"{what}: a slot is past the end of the cache ({num_slots} rows)")
+    slots = slots.clamp(0, num_slots - 1)
+    if cache.dtype == torch.uint8:
+        rows = Fp8DsMlaRecord(head_dim).read(cache, slots)
+    else:
+        rows = cache.reshape(num_slots, cache.shape[-1])[slots].float()
     # Entries past the length are never read: whatever their slot holds (NaN included) weighs nothing.
     return rows.masked_fill(~valid[..., None], 0.0), valid
 
@@ -74,11 +82,14 @@ def sparse_attention_with_lse(
         raise KernelContractError(f"query/out must be bf16, got {query.dtype}/{out.dtype}")
     if query.shape[1] not in KERNEL_HEADS:
         raise KernelContractError(f"h_q={query.shape[1]} has no SM120 specialization; accepted: {KERNEL_HEADS}")
-    rows, valid = _candidate_rows(swa_kv_cache, swa_indices, swa_lens, "swa indices")
+    head_dim = query.shape[-1]
+    rows, valid = _candidate_rows(swa_kv_cache, swa_indices, swa_lens, "swa indices", head_dim)
     if extra_indices is not None:
         if compressed_kv_cache is None:
             raise KernelContractError("extra indices without a compressed cache")
-        extra_rows, extra_valid = _candidate_rows(compressed_kv_cache, extra_indices, extra_lens, "compressed indices")
+        extra_rows, extra_valid = _candidate_rows(
+            compressed_kv_cache, extra_indices, extra_lens, "compressed indices", head_dim
+        )
         rows, valid = (
             torch.cat([rows, extra_rows], 1),
             torch.cat([valid, extra_valid], 1),

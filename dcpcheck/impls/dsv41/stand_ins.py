@@ -28,6 +28,8 @@ METADATA_MODULE = "vllm.models.deepseek_v41.sparse_mla"
 DCP_ATTRIBUTES = ("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size")
 INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 TOPK_MERGE_CHECK = "_assert_cutedsl_dcp_merge_supported"  # refuses an index_topk it cannot merge under DCP
+ATTENTION_MODULE = "vllm.models.deepseek_v41.attention"
+SWA_CACHE_CLASS = "DeepseekV4SWACache"  # built by DeepseekV4Attention.__init__ with the SWA page size
 
 
 class StandInError(ImportError):
@@ -62,6 +64,33 @@ def served_topk_widths() -> tuple[int, ...]:
     raise StandInError(
         f"{path}: no {TOPK_MERGE_CHECK} with a 'k not in (widths)' check, where dcpcheck reads the top-k "
         "widths vLLM serves under DCP"
+    )
+
+
+@functools.cache
+def swa_block_size() -> int:
+    """DSV4.1's SWA page in tokens: the ``block_size`` the tree's ``DeepseekV4Attention.__init__`` builds its
+    ``DeepseekV4SWACache`` with (that cache's kv cache spec, so the SWA builder's ``block_size``), read from
+    the source: that line runs after the weights, which dcpcheck does not build."""
+    path = _vllm_source(ATTENTION_MODULE)
+    if path is None or not path.is_file():
+        raise StandInError(f"no {ATTENTION_MODULE} to read the SWA page size from")
+    attention = next(
+        (
+            node
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.name == "DeepseekV4Attention"
+        ),
+        None,
+    )
+    for node in ast.walk(attention) if attention else ():
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == SWA_CACHE_CLASS:
+            size = next((ast.literal_eval(kw.value) for kw in node.keywords if kw.arg == "block_size"), None)
+            if isinstance(size, int) and size > 0:
+                return size
+    raise StandInError(
+        f"{path}: no DeepseekV4Attention building a {SWA_CACHE_CLASS} with a literal block_size, where dcpcheck "
+        "reads the SWA page size vLLM serves"
     )
 
 
@@ -150,14 +179,21 @@ MANIFEST = (
     ),
     StandIn(
         "the KV cache format",
-        "the layer's kv_cache_dtype, fp8_ds_mla by default (models/deepseek_v41/nvidia/flashinfer_sparse.py "
-        "use_fp8_ds_mla_layout)",
-        "bf16 pages, read by the reference kernel",
+        "the layer's kv_cache_dtype, fp8_ds_mla by default (models/deepseek_v41/attention.py "
+        "_resolve_dsv4_kv_cache_dtype; its writers: common/ops/fused_compress_quant_cache.py rope_quant_insert, "
+        "the CUDA op fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert)",
+        "vLLM's fp8_ds_mla record written in torch, scaled to the case's head dim (nope 7D/8 dims as e4m3 in 7 "
+        "tiles of D/8 with UE8M0 scales, rope D/8 dims bf16; 584 bytes at 512) and read by the reference kernel "
+        "as FlashInfer's reads it; bf16 pages with --dcp-impl dsv41@bfloat16",
     ),
     StandIn(
         "the sliding-window pages and their metadata",
-        "v1/attention/backends/mla/sparse_swa.py DeepseekSparseSWAMetadataBuilder",
-        "one-token pages (block_size=1, a zero block table) and window candidates built by the driver",
+        "v1/attention/backends/mla/sparse_swa.py DeepseekSparseSWAMetadataBuilder.build",
+        "only its FlashMLA tile-scheduler plan (skipped, as on SM120: a CUDA extension), its decode/prefill "
+        "split (the suite's step names its decodes) and the runner's SWA KV insert (a CUDA op: the driver "
+        "copies the window's rows into their slots); the tree's builder "
+        "runs the rest, its window kernels under the Triton interpreter, over pages of the tree's SWA block "
+        "size that the driver places out of order",
     ),
     StandIn(
         "the checkpoint's index_topk",

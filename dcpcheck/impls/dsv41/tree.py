@@ -7,8 +7,9 @@ The port's SM120 wrapper (``_sm120_sparse_attention_with_lse``) runs as it is,
 over FlashInfer's ``flashinfer.mla._core`` from the pinned release's source
 (:mod:`.flashinfer_stand_in`: the entry's real signature, the reference kernel
 computing); the DCP1 path's kernel name is bound to :mod:`.reference_kernel`
-(the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches, which the driver
-does not write); everything else is the tree's code.
+(the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches of head dim 512,
+where the driver writes that record scaled down to the case's head dim);
+everything else is the tree's code.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from dcpcheck.impls.dsv41 import reference_kernel
 from dcpcheck.impls.dsv41.flashinfer_sources import FlashInferSourcesError, pinned_sources
 from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
+from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA, KV_CACHE_DTYPES
 from dcpcheck.spies import environments
 
 DEFAULT_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
@@ -65,25 +67,35 @@ class PortSpecError(ValueError):
 class PortSpec:
     module: str = DEFAULT_MODULE
     cls: str = DEFAULT_CLASS
+    # The caches the driver writes: the layer's default fp8_ds_mla, or dcpcheck's bf16 variant.
+    kv_cache_dtype: str = FP8_DS_MLA
 
     @classmethod
     def parse(cls, spec: str) -> PortSpec:
-        """``dsv41`` or ``dsv41:MODULE:CLASS``."""
-        if spec == "dsv41":
-            return cls()
-        parts = spec.split(":")
+        """``dsv41[:MODULE:CLASS][@KV_CACHE_DTYPE]``, KV_CACHE_DTYPE one of :data:`KV_CACHE_DTYPES`."""
+        accepted = (
+            "accepted 'dsv41' or 'dsv41:MODULE:CLASS', optionally followed by '@KV_CACHE_DTYPE', one of "
+            + ", ".join(KV_CACHE_DTYPES)
+        )
+        name, at, kv_cache_dtype = spec.partition("@")
+        if at and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise PortSpecError(f"--dcp-impl {spec!r}: {accepted}")
+        kv_cache_dtype = kv_cache_dtype or FP8_DS_MLA
+        if name == "dsv41":
+            return cls(kv_cache_dtype=kv_cache_dtype)
+        parts = name.split(":")
         if len(parts) != 3 or parts[0] != "dsv41" or not all(parts[1:]):
-            raise PortSpecError(f"--dcp-impl {spec!r}: accepted 'dsv41' or 'dsv41:MODULE:CLASS'")
-        return cls(parts[1], parts[2])
+            raise PortSpecError(f"--dcp-impl {spec!r}: {accepted}")
+        return cls(parts[1], parts[2], kv_cache_dtype)
 
 
 def reference_kernel_reason() -> str:
     """Why the reference kernel stands in for FlashInfer's SM120 kernel here.
 
-    The SM120 kernel reads caches in the fp8_ds_mla layout; the driver fills
-    bf16 caches, so even on SM120 the real kernel would reject them. Binding it
-    would turn that into false failures, so the reference is always used and
-    the header says why."""
+    The SM120 kernel reads fp8_ds_mla caches of head dim 512; the driver writes
+    that record scaled down to the case's head dim (or bf16 pages, dcpcheck's
+    variant), which the real kernel would reject. Binding it would turn that
+    into false failures, so the reference is always used and the header says why."""
     import torch
 
     if not torch.cuda.is_available():
@@ -91,7 +103,7 @@ def reference_kernel_reason() -> str:
     major, minor = torch.cuda.get_device_capability()
     if major != 12:
         return f"SM120 kernel not runnable here: SM{major}{minor}, the kernel needs SM120"
-    return "the SM120 kernel reads fp8_ds_mla caches; dcpcheck's caches are bf16"
+    return "the SM120 kernel reads fp8_ds_mla caches of head dim 512; dcpcheck's are scaled down (docs/dsv41.md)"
 
 
 def _file_of(module_name: str) -> str:
