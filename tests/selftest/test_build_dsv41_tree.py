@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ def with_comment(path: str, after: int) -> list[str]:
 
 
 def build(out: Path, diff: Path | None = None) -> subprocess.CompletedProcess:
-    command = [str(BUILD), str(out), *([str(diff)] if diff else [])]
+    """The script on this interpreter's vLLM (its third argument: a venv other than the checkout's .venv)."""
+    command = [str(BUILD), str(out), str(diff or SEED), sys.prefix]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 

@@ -124,7 +124,9 @@ print(json.dumps(result))
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM on CPU (tools/install_vllm_cpu.sh)")
 def test_the_writer_puts_every_byte_where_vllms_writers_do():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    # The suite ahead of the caller's path: where vLLM comes from PYTHONPATH (a GPU host's carry), it stays found.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
     run = subprocess.run(
         [sys.executable, "-c", VLLM_WRITERS], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
     )

@@ -157,7 +157,7 @@ import torch
 pytestmark = pytest.mark.world_sizes(2)
 
 def rank_0_fails_first(ctx):
-    out, lse = torch.zeros(20, 8, 4), torch.zeros(8, 20).t()
+    out, lse = torch.zeros(20, 8, 4, device=ctx.device), torch.zeros(8, 20, device=ctx.device).t()
     ctx.impl.combine(out, lse, ctx.group, backend="ag_rs", lse_base=2.0)
     assert ctx.rank != 0, "planted: rank 0 fails at once"
     ctx.impl.combine(out, lse, ctx.group, backend="ag_rs", lse_base=2.0)  # rank 1 waits here for rank 0
@@ -172,5 +172,5 @@ def test_a_write_is_reported_even_when_a_peer_fails_first_and_the_writer_would_b
     sessions = {"stuck": (["--dcp-impl", "stuck_writer:WritesThenWaits", "--world-sizes", "2", "test_stuck.py"], {})}
     code, output = run_sessions_in_one_interpreter(tmp_path, sessions, timeout=120)["stuck"]
     assert code == 1 and "1 failed" in output, output
-    assert "planted: rank 0 fails at once" in output
+    assert "planted: rank 0 fails at once" in output, output
     assert "[rank 1] InputChangedError: combine changed its input `lse` in place (rank 1, 1 of 160 elements)" in output
