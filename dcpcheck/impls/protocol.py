@@ -337,7 +337,10 @@ class DcpImplementation(Protocol):
         None = DSV41_DCP_PREFILL_GATHER=1), ``prefill_token_chunk``, ``stack``
         (a :class:`dcpcheck.scenarios.topology.StackPosition`: the layer's id
         in a DSV4.1 topology, for an implementation that builds layers the
-        way the model does; None: a one-layer model).
+        way the model does; None: a one-layer model), ``max_model_len``
+        (vLLM's ``--max-model-len``: no request of the trace is longer; an
+        implementation that sizes block tables as vLLM does sizes them for it;
+        absent: the implementation's own default).
 
         The layer returned offers:
 

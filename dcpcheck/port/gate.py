@@ -43,13 +43,14 @@ def prefill_gather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def build_attention(
-    impl, layout, group, *, prefill_gather: bool | None = None, stack=None, **options
+    impl, layout, group, *, prefill_gather: bool | None = None, stack=None, max_model_len=None, **options
 ) -> DcpAttentionLayer:
     """The DCP attention layer of ``layout`` on ``group``, composed of
     ``impl``'s capabilities; the environment is read here, at build time.
     ``prefill_gather=None`` follows ``DSV41_DCP_PREFILL_GATHER=1``; ``stack``
-    (the layer's place in the model's topology) plays no part: this port's
-    layer is its layout; other options go to :class:`DcpAttentionLayer`."""
+    (the layer's place in the model's topology) and ``max_model_len`` play no
+    part: this port's layer is its layout, its block tables the caller's; other
+    options go to :class:`DcpAttentionLayer`."""
     validate_layout(layout, group.world_size)
     require_dcp_stage(group.world_size)
     if prefill_gather is None:

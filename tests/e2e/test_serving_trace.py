@@ -93,11 +93,13 @@ def check_serving_trace(
     prefill_token_chunk=None,
     heads_per_rank: int | None = None,
     common_component: float = 0.0,
+    max_model_len: int | None = None,
 ):
     """``layers``: the stack, or generated from ``topology`` (the layers each
     told its place in it). ``heads_per_rank``: H = heads_per_rank * W (default
     H = NUM_HEADS); an implementation that declares its ``local_heads`` gets those instead.
-    ``common_component``: LayerTensors' (large LSEs)."""
+    ``common_component``: LayerTensors' (large LSEs). ``max_model_len``: the
+    layers' (``build_attention``'s option; None: the implementation's default)."""
     declared = conventions_of(ctx.impl)
     if topology is not None:
         layers = topology.layer_specs(
@@ -126,6 +128,10 @@ def check_serving_trace(
     # implementation declares it computes in, never that of what it returned.
     tolerance_dtype = coarser_dtype(torch.float32, declared.layer_dtype)
     stack_args = dict(head_dim=HEAD_DIM, window=WINDOW, heads=heads, seed=ctx.seed, topology=topology)
+    if max_model_len is not None:
+        if max(request.final_len for request in requests) > max_model_len:
+            raise ValueError(f"a request longer than max_model_len={max_model_len}: vLLM refuses it")
+        stack_args["max_model_len"] = max_model_len
     group = CountingGroup(ctx.group)
     dcp_stack = RankStack(
         ctx.impl,
@@ -309,6 +315,7 @@ def check_dsv41_trace(
     prefill_token_chunk=16,
     requests=DSV41_REQUESTS,
     token_budget=DSV41_TOKEN_BUDGET,
+    max_model_len=None,
 ):
     return check_serving_trace(
         ctx,
@@ -320,6 +327,7 @@ def check_dsv41_trace(
         heads_per_rank=1,
         requests=requests,
         token_budget=token_budget,
+        max_model_len=max_model_len,
     )
 
 
@@ -390,6 +398,41 @@ def test_dsv41_interleave_sweep(dcp, interleave_tokens):
 @pytest.mark.parametrize("prefill_gather", PATHS)
 def test_dsv41_ratio1_trace(dcp, prefill_gather):
     dcp.run(check_dsv41_trace, topology=DSV41_RATIO1_TOPOLOGY, interleave_tokens=2, prefill_gather=prefill_gather)
+
+
+# Requests that reach every page of a rank's block table. vLLM sizes a rank's
+# compressed row for max_model_len / W (v1/kv_cache_interface.py
+# AttentionSpec.max_num_blocks_per_req); here that is two pages a rank, so a
+# request of max_model_len tokens fills the last column of every rank's row
+# (at W > 1 it is longer than max_model_len / W), and one a few tokens past a
+# virtual block (a page on every rank: TOKENS_PER_PAGE * W tokens) crosses
+# its edge. A bound taken on the global page instead of the rank's drops the
+# states past max_model_len / W, which only such requests have. Ratio 1, the
+# gather path: the decode rows read the far pages through vLLM's remap kernel.
+FAR_END_PAGES_PER_RANK = 2
+
+
+def far_end_requests(max_model_len: int, world_size: int) -> list[RequestSpec]:
+    virtual_block = TOKENS_PER_PAGE * world_size
+    return [
+        RequestSpec(uid=0, arrival=0, prompt_len=max_model_len - 2, decode_steps=2),  # ends at max_model_len
+        RequestSpec(uid=1, arrival=0, prompt_len=virtual_block + 3, decode_steps=1),  # crosses a virtual block's edge
+    ]
+
+
+@pytest.mark.stage(STAGE_PREFILL)
+def test_dsv41_far_end_trace(dcp):
+    max_model_len = FAR_END_PAGES_PER_RANK * TOKENS_PER_PAGE * dcp.world_size
+    dcp.run(
+        check_dsv41_trace,
+        topology=DSV41_RATIO1_TOPOLOGY,
+        interleave_tokens=2,
+        prefill_gather=True,
+        prefill_token_chunk=None,
+        requests=far_end_requests(max_model_len, dcp.world_size),
+        token_budget=max_model_len // 2,
+        max_model_len=max_model_len,
+    )
 
 
 # State a port keeps across the layers of one step (caches keyed on the

@@ -18,7 +18,7 @@ from dcpcheck.impls.dsv41.layer import (
     index_topk,
     padded_topk_width,
 )
-from dcpcheck.impls.dsv41.serving import build_compressed_metadata
+from dcpcheck.impls.dsv41.serving import block_table_width, build_compressed_metadata, compressed_cache_spec
 from dcpcheck.impls.dsv41.stand_ins import swa_block_size
 from dcpcheck.impls.dsv41.swa_pages import (
     WindowPages,
@@ -91,6 +91,16 @@ class PortAttention:
         self.prefill_gather = prefill_gather
         self.prefill_token_chunk = prefill_token_chunk
         self.max_model_len = max_model_len
+        # vLLM's row, so a page past max_model_len / W (a porter's bound on the global page, say) is outside it.
+        self.compressed_table_width = (
+            block_table_width(
+                compressed_cache_spec(impl.tree, rho=self.rho, tokens_per_page=self.bs * self.rho),
+                max_model_len=max_model_len,
+                dcp_world_size=self.world_size,
+            )
+            if self.rho >= 1
+            else None
+        )
         self._layer = None
         self._swa_builders: dict[tuple, object] = {}  # (window, widest decode, device) -> the tree's SWA builder
         self._swa_cache: torch.Tensor | None = None  # this layer's SWA pages, as vLLM allocates them
@@ -133,6 +143,9 @@ class PortAttention:
         query_start[1:] = torch.cumsum(query_lens, 0)
         seq_lens_new = seq_lens[request_order].to(torch.int32)
         window = swa_slots.shape[1]
+        # The builder's decode threshold, 1 + num_speculative_tokens: the widest decode (MTP verification).
+        decode_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 1
+        swa_builder = self._swa_builder(window, decode_query_len, device)
         swa_pages = place_window(
             self.impl.vllm,
             swa_slots[order],
@@ -140,12 +153,13 @@ class PortAttention:
             valid[order],
             token_to_req_new,
             seq_lens_new,
-            max_model_len=self.max_model_len,
+            # The window is replicated on every rank, as the port reads it (finding 5): its row is not DCP-sharded.
+            table_width=block_table_width(
+                swa_builder.kv_cache_spec, max_model_len=self.max_model_len, dcp_world_size=1
+            ),
         )
-        # The builder's decode threshold, 1 + num_speculative_tokens: the widest decode (MTP verification).
-        decode_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 1
         swa = build_swa_metadata(
-            self._swa_builder(window, decode_query_len, device),
+            swa_builder,
             pages=swa_pages,
             query_start=query_start,
             seq_lens=seq_lens_new,
@@ -214,13 +228,20 @@ class PortAttention:
         num_rows,
     ):
         """The step's compressed metadata from the tree's builder, over block-table
-        rows as wide as max_model_len; and the compressed write slots (suite
+        rows as wide as vLLM's (``compressed_table_width``); and the compressed write slots (suite
         order): the tree's, unless its writer places no state by DCP (then
         vLLM's own DCP writer stands in, so the read side is still checked)."""
         device = token_to_req.device
-        width = max(block_table.shape[1], -(-(self.max_model_len // self.rho) // self.bs))
+        width = self.compressed_table_width
+        if bool((block_table[:, width:] != NULL_PAGE).any()):
+            raise ValueError(
+                f"a request of the step holds a page past column {width} of rank {self.group.rank_in_group}'s "
+                f"block table, vLLM's row at max_model_len={self.max_model_len} and W={self.world_size}: it is "
+                "longer than max_model_len, which vLLM refuses (v1/engine/input_processor.py _validate_prompt_len)"
+            )
+        kept = min(width, block_table.shape[1])
         wide = torch.full((request_order.numel(), width), NULL_PAGE, dtype=torch.int32, device=device)
-        wide[:, : block_table.shape[1]] = block_table[request_order]
+        wide[:, :kept] = block_table[request_order, :kept]
         live_positions = torch.where(valid, positions, -1)
         token_slots = self.impl.vllm.token_slots(
             live_positions,

@@ -22,7 +22,9 @@ shared by every layer of the layout, as vLLM shares it per KV group:
   the decode rows of a decode-only step, left out of a mixed step;
 * the window in SWA pages of DSV4.1's block size, its metadata from the
   tree's SWA builder (:mod:`.swa_pages`);
-* block tables as wide as ``max_model_len``, unused columns on the null page;
+* block-table rows as wide as vLLM's for ``max_model_len`` (:func:`.serving.block_table_width`: the
+  compressed cache's DCP-sharded, ``max_model_len / W``; the window's replicated), unused columns on the
+  null page;
 * each layer publishes its top-k (global state ids, padded with -1 to the
   port's 128-wide tiles) into the one model-wide ``topk_indices_buffer``
   before its forward, as an index-source layer does;

@@ -54,8 +54,8 @@ def _step_cache(metadata, geometry: PortGeometry | None = None, kv: dict | None 
 
 
 def _server_table(block_table: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``block_table`` as wide as the gather reads (vLLM sizes every row for
-    max_model_len), spare columns on the null page, as the driver's tables."""
+    """``block_table`` as wide as the gather reads (a vLLM row holds every page of a request on its
+    rank, :func:`.serving.block_table_width`), spare columns on the null page, as the driver's tables."""
     width = max(block_table.shape[1], int(pages.max()) if pages.numel() else 0)
     table = torch.full((block_table.shape[0], width), NULL_PAGE, dtype=torch.int32, device=block_table.device)
     table[:, : block_table.shape[1]] = block_table

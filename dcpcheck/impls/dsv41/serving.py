@@ -86,6 +86,34 @@ def build_compressed_metadata(
     return builder_cls.build(builder, 0, common)
 
 
+def compressed_cache_spec(tree: PortTree, *, rho: int, tokens_per_page: int):
+    """The tree's ``DeepseekV4Attention.get_kv_cache_spec`` (``models/deepseek_v41/attention.py``) of a kv-source
+    layer of compress ratio ``rho``, run on what that method reads (its page in tokens is
+    ``cache_config.block_size``); bf16 rows: the cache dtype decides the page's bytes, not its states."""
+    cls = getattr(tree.module({}), tree.spec.cls)
+    holder = types.SimpleNamespace(
+        is_kv_source=True,
+        kv_cache_dtype="auto",
+        kv_cache_torch_dtype=torch.bfloat16,
+        head_dim=512,
+        compress_ratio=rho,
+    )
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=tokens_per_page))
+    return attention_base(cls).get_kv_cache_spec(holder, config)
+
+
+def block_table_width(spec, *, max_model_len: int, dcp_world_size: int) -> int:
+    """A rank's block-table row for a KV group of ``spec``, as vLLM's runner sizes it: the spec's own
+    ``max_num_blocks_per_req`` (``v1/kv_cache_interface.py``; ``AttentionSpec``'s is
+    ``cdiv(max_len, block_size * W)`` where the cache is DCP-sharded) padded by ``get_block_table_width``
+    (``v1/worker/block_table.py``, to a 128-token multiple), as ``gpu_model_runner.py``
+    ``may_reinitialize_input_batch`` and ``MultiGroupBlockTable.__init__`` do."""
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(decode_context_parallel_size=dcp_world_size))
+    return get_block_table_width(spec.max_num_blocks_per_req(config, max_model_len), spec.block_size)
+
+
 @contextmanager
 def _recording_writer_calls(tree: PortTree):
     """The keyword arguments of every ``get_compressed_slot_mapping`` call the builder makes."""

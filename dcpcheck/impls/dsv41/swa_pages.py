@@ -31,7 +31,7 @@ SWA_CACHE_DTYPE = "auto"  # plain bf16 rows (dsv41@bfloat16); fp8_ds_mla pages c
 class WindowPages:
     """Where the step's window lives in pages (requests in vLLM's order)."""
 
-    block_table: torch.Tensor  # [R, cdiv(max_model_len, page)] int32, NULL_PAGE where no page
+    block_table: torch.Tensor  # [R, vLLM's row width] int32, NULL_PAGE where no page
     num_pages: int  # pages the SWA cache needs, the null page included
     slot_mapping: torch.Tensor  # [T'] int64: each row's own token's slot, -1 on padding rows
     fill_slots: torch.Tensor  # [N] int64: the slots of every token the step's windows read
@@ -147,12 +147,13 @@ def build_swa_metadata(builder, *, pages: WindowPages, query_start, seq_lens, nu
         return builder.build(0, common)
 
 
-def place_window(vllm, swa_slots, positions, valid, token_to_req, seq_lens, *, max_model_len) -> WindowPages:
+def place_window(vllm, swa_slots, positions, valid, token_to_req, seq_lens, *, table_width) -> WindowPages:
     """Pages for the suite's window: rows in vLLM's order (``token_to_req`` its request indices, 0 on
-    padding rows). Each request's pages cover what its rows' windows read; earlier columns of its table are
-    the null page, as vLLM frees pages the window has left. Pages are handed out from the pool's top down,
-    so a request's next page is never the pool's next one. Slots come from vLLM's slot mapping
-    (``v1/worker/block_table.py``) over that table."""
+    padding rows), block-table rows ``table_width`` pages wide (vLLM's: :func:`.serving.block_table_width`).
+    Each request's pages cover what its rows' windows read; earlier columns of its table are the null page,
+    as vLLM frees pages the window has left. Pages are handed out from the pool's top down, so a request's
+    next page is never the pool's next one. Slots come from vLLM's slot mapping (``v1/worker/block_table.py``)
+    over that table."""
     device = swa_slots.device
     window = swa_slots.shape[1]
     page = swa_block_size()
@@ -177,8 +178,7 @@ def place_window(vllm, swa_slots, positions, valid, token_to_req, seq_lens, *, m
     last_page = torch.where(read, (seq_lens.long() - 1) // page, -1)
     live = (last_page - first_page + 1).clamp(min=0)
     num_live = int(live.sum())
-    width = -(-max_model_len // page)
-    block_table = torch.full((num_reqs, width), NULL_PAGE, dtype=torch.int32, device=device)
+    block_table = torch.full((num_reqs, table_width), NULL_PAGE, dtype=torch.int32, device=device)
     pool_top_down = torch.arange(num_live, 0, -1, dtype=torch.int32, device=device)
     handed = 0
     for request in range(num_reqs):
