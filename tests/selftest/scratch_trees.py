@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.selftest.inner import inner_env
+
 ROOT = Path(__file__).resolve().parents[2]
 SEED_DIFF = ROOT.parent / "shared" / "seeds" / "002_ce6637cb7dfa2225.txt"
 
@@ -41,3 +43,11 @@ def replace_in_tree(tree: Path, path: str, old: str, new: str) -> None:
     assert source.count(old) == 1, f"vLLM's {path} changed: edit this test"
     file.unlink()  # a link to the installed vLLM's file: the tree gets its own
     file.write_text(source.replace(old, new))
+
+
+def run_dsv41(tree: Path, node: str, world_size: int) -> subprocess.CompletedProcess:
+    """One suite test (``node``) on ``tree``'s port at one world size, in a session of its own, CPU only."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--dcp-impl", "dsv41"]
+    command += ["--dcp-timeout", "900", "--world-sizes", str(world_size), node]
+    env = inner_env(PYTHONPATH=f"{tree}:{ROOT}", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

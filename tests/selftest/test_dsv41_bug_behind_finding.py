@@ -11,11 +11,7 @@ after installing it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.selftest.inner import inner_env
-from tests.selftest.scratch_trees import NEEDS_VLLM_AND_SEED, ROOT, replace_in_tree, seed_tree
+from tests.selftest.scratch_trees import NEEDS_VLLM_AND_SEED, replace_in_tree, run_dsv41, seed_tree
 
 WRITER = "vllm/v1/attention/backends/mla/compressor_utils.py"
 STATE_LINE = "            pos_after_compress = local_pos // COMPRESS_RATIO\n"
@@ -31,15 +27,7 @@ pytestmark = NEEDS_VLLM_AND_SEED
 def test_a_writer_bug_behind_finding_1_fails_its_case(tmp_path):
     tree = seed_tree(tmp_path / "tree")
     replace_in_tree(tree, WRITER, STATE_LINE, STATE_LINE_LATE)
-    args = ["--dcp-impl", "dsv41", "--dcp-timeout", "600", "--world-sizes", "2", "-p", "no:cacheprovider", "-q"]
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", *args, RATIO2_CASE],
-        cwd=ROOT,
-        env=inner_env(PYTHONPATH=str(tree), CUDA_VISIBLE_DEVICES=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = run_dsv41(tree, RATIO2_CASE, world_size=2)
     output = done.stdout + done.stderr
     assert done.returncode == 1 and "1 failed" in output, output[-5000:]
     assert "a second bug behind the known defect: with dsv41's cures read_unit_in_states" in output, output[-5000:]

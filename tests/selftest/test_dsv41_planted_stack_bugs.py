@@ -1,0 +1,76 @@
+"""Bugs a porter's merge plants in vLLM files of the DCP2 stack other than the
+port's, each failing the dsv41 test that reaches it, where the seed tree passes
+that test. A plant is data: the file, its one correct text and the planted
+one, the test and world size that reach it, and what the failure must show.
+
+* ``window_off_by_a_page``: the SWA builder's page index one page on
+  (``_compute_swa_indices_and_lens_kernel`` in ``sparse_swa.py``), read by the
+  trace's SWA-only first layer (:mod:`dcpcheck.impls.dsv41.swa_pages`);
+* ``bound_on_the_global_page``: the top-k remap kernel's page bound
+  (``sparse_mla_index_remap_kernel`` in ``sparse_utils.py``, which the port's
+  DCP decode calls) taken on the global page instead of the rank's: only a
+  request past ``max_model_len / W`` loses states, and only a block-table row
+  as wide as vLLM's (``serving.block_table_width``) shows it; one W times
+  wider hid it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.selftest.scratch_trees import NEEDS_VLLM_AND_SEED, replace_in_tree, run_dsv41, seed_tree
+
+pytestmark = NEEDS_VLLM_AND_SEED
+
+
+@dataclass(frozen=True)
+class PlantedStackBug:
+    name: str
+    file: str  # vllm/..., a file of the stack other than the port's
+    correct: str  # its one occurrence in vLLM 0.33.0
+    planted: str
+    test: str  # the suite test that reaches it
+    world_size: int
+    shows: tuple[str, ...]  # in the failing session's output
+
+
+PLANTS = (
+    PlantedStackBug(
+        "window_off_by_a_page",
+        "vllm/v1/attention/backends/mla/sparse_swa.py",
+        # The causal window kernel's page index: the only one at its indentation (the other is a loop deeper).
+        "\n        block_indices = pos_offset // block_size\n",
+        "\n        block_indices = pos_offset // block_size + 1\n",
+        "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W1-stage3_chunked]",
+        1,
+        # The trace's first layer is SWA-only: nothing but the window to read.
+        ("MismatchError: DCP-W vs float64 oracle", "step=0 layer=0 (rho 0)"),
+    ),
+    PlantedStackBug(
+        "bound_on_the_global_page",
+        "vllm/v1/attention/backends/mla/sparse_utils.py",
+        "valid_block = (block_id < max_num_blocks_per_req) & (block_id >= 0)",
+        "valid_block = (tok // BLOCK_SIZE < max_num_blocks_per_req) & (block_id >= 0)",
+        "tests/e2e/test_serving_trace.py::test_dsv41_far_end_trace[W2]",
+        2,
+        # The first compressed layer, at a decode of the request that reaches max_model_len.
+        ("MismatchError: DCP-W vs float64 oracle", "layer=1 (rho 1)", "[decode, uid 0, position"),
+    ),
+)
+
+
+@pytest.mark.parametrize("plant", PLANTS, ids=lambda plant: plant.name)
+def test_the_seed_tree_passes_the_test_that_reaches_the_plant(tmp_path, plant):
+    done = run_dsv41(seed_tree(tmp_path / "tree"), plant.test, plant.world_size)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:]
+
+
+@pytest.mark.parametrize("plant", PLANTS, ids=lambda plant: plant.name)
+def test_a_planted_stack_bug_fails_the_test_that_reaches_it(tmp_path, plant):
+    tree = seed_tree(tmp_path / "tree")
+    replace_in_tree(tree, plant.file, plant.correct, plant.planted)
+    done = run_dsv41(tree, plant.test, plant.world_size)
+    assert done.returncode == 1 and "1 failed" in done.stdout, done.stdout[-4000:]
+    missing = [text for text in plant.shows if text not in done.stdout]
+    assert not missing, f"{missing} not in: {done.stdout[-4000:]}"
