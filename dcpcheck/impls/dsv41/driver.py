@@ -352,7 +352,9 @@ class PortAttention:
                 cache = allocate_swa_cache(spec, pages.num_pages, swa_cache.device)
             self._swa_cache = cache
         every_slot = torch.arange(cache.shape[0] * cache.shape[1], device=cache.device)
-        kv_cache_format.write(cache, every_slot, torch.full((every_slot.numel(), head_dim), float("nan")))
+        kv_cache_format.write(
+            cache, every_slot, torch.full((every_slot.numel(), head_dim), float("nan"), device=cache.device)
+        )
         kv_cache_format.write(cache, pages.fill_slots, swa_cache[pages.fill_rows])
         return cache
 
