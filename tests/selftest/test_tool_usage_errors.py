@@ -5,6 +5,7 @@ what is accepted, no traceback, and nothing run (no session, no measurement)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.selftest.inner import REPO_ROOT, inner_env
+
+TOOL_CALLS = Path(__file__).with_name("tool_calls.py")
 
 # Were an argument accepted, the session it starts stays small: stage 1 at
 # W = 1 without xdist, every case deselected.
@@ -70,38 +73,79 @@ DIFF_COVERAGE_CASES = [
 ]
 
 
-@pytest.fixture
-def places(tmp_path: Path) -> dict[str, str]:
-    (tmp_path / "a-file").write_text("not a folder\n")
-    (tmp_path / "a-folder").mkdir()
-    return {"file": str(tmp_path / "a-file"), "folder": str(tmp_path / "a-folder")}
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("places")
+    (folder / "a-file").write_text("not a folder\n")
+    (folder / "a-folder").mkdir()
+    return {"file": str(folder / "a-file"), "folder": str(folder / "a-folder"), "out": str(folder / "out")}
 
 
-def usage_error(command: list[str]) -> tuple[str, str]:
-    """(stdout, the one stderr line) of a tool that must refuse its arguments with exit 2."""
-    done = subprocess.run(command, cwd=REPO_ROOT, env=inner_env(), capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in done.stderr, done.stderr
-    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1, done.stderr
-    return done.stdout, lines[0]
+def tool_answers(tool: str, flags: list[str], argvs: list[list[str]]) -> list[dict]:
+    """Each argument list's answer from ``tool``, all called in one process (tool_calls.py)."""
+    done = subprocess.run(
+        [sys.executable, *flags, str(TOOL_CALLS), tool],
+        cwd=REPO_ROOT,
+        env=inner_env(),
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def gpu_ci_argv(argv: list[str], places: dict[str, str]) -> list[str]:
+    return [*GPU_CI_SMALL_RUN, "--out", places["out"], *(arg.format(**places) for arg in argv), *GPU_CI_NO_CASES]
+
+
+@pytest.fixture(scope="module")
+def gpu_ci_answers(places) -> dict[tuple[str, ...], dict]:
+    argvs = [gpu_ci_argv(argv, places) for argv, _ in GPU_CI_CASES]
+    return dict(zip(map(tuple, argvs), tool_answers("tools/gpu_ci.py", [], argvs)))
+
+
+@pytest.fixture(scope="module")
+def diff_coverage_answers(places) -> dict[tuple[str, ...], dict]:
+    answers = {}
+    for flags in {tuple(flags) for flags, _, _ in DIFF_COVERAGE_CASES}:
+        argvs = [
+            [arg.format(**places) for arg in argv]
+            for case_flags, argv, _ in DIFF_COVERAGE_CASES
+            if case_flags == list(flags)
+        ]
+        answers.update(
+            {
+                (*flags, *argv): answer
+                for argv, answer in zip(argvs, tool_answers("tools/diff_coverage.py", list(flags), argvs))
+            }
+        )
+    return answers
+
+
+def usage_error_line(answer: dict) -> str:
+    """The one stderr line of a call that must refuse its arguments with exit 2."""
+    assert "Traceback" not in answer["stderr"], answer["stderr"]
+    assert answer["status"] == 2, (answer["status"], answer["stdout"][-2000:], answer["stderr"][-2000:])
+    lines = answer["stderr"].splitlines()
+    assert len(lines) == 1, answer["stderr"]
+    return lines[0]
 
 
 @pytest.mark.parametrize(("argv", "message"), [pytest.param(*case, id=" ".join(case[0])) for case in GPU_CI_CASES])
-def test_gpu_ci_refuses_a_bad_argument_in_one_line(argv, message, places, tmp_path):
-    command = [sys.executable, "tools/gpu_ci.py", *GPU_CI_SMALL_RUN, "--out", str(tmp_path / "out")]
-    stdout, line = usage_error([*command, *(arg.format(**places) for arg in argv), *GPU_CI_NO_CASES])
-    assert line == f"gpu_ci.py: error: {message.format(**places)}"
-    assert stdout == ""  # no session started
+def test_gpu_ci_refuses_a_bad_argument_in_one_line(argv, message, places, gpu_ci_answers):
+    answer = gpu_ci_answers[tuple(gpu_ci_argv(argv, places))]
+    assert usage_error_line(answer) == f"gpu_ci.py: error: {message.format(**places)}"
+    assert answer["stdout"] == ""  # no session started
 
 
 @pytest.mark.parametrize(
     ("flags", "argv", "message"), [pytest.param(*case, id=" ".join(case[0] + case[1])) for case in DIFF_COVERAGE_CASES]
 )
-def test_diff_coverage_refuses_a_bad_argument_in_one_line(flags, argv, message, places):
-    command = [sys.executable, *flags, "tools/diff_coverage.py", *(arg.format(**places) for arg in argv)]
-    stdout, line = usage_error(command)
+def test_diff_coverage_refuses_a_bad_argument_in_one_line(flags, argv, message, places, diff_coverage_answers):
+    answer = diff_coverage_answers[(*flags, *(arg.format(**places) for arg in argv))]
     # A missing coverage.py is named before any argument: so it is under the README's install (no extras).
     expected = message if importlib.util.find_spec("coverage") is not None else NO_COVERAGE
-    assert line == f"diff_coverage.py: error: {expected.format(**places)}"
-    assert stdout == ""  # nothing measured, no report
+    assert usage_error_line(answer) == f"diff_coverage.py: error: {expected.format(**places)}"
+    assert answer["stdout"] == ""  # nothing measured, no report
