@@ -126,6 +126,8 @@ class DcpRunner:
         self._node.user_properties.append(("dcp_ranks", self.session.placement(self.world_size).describe()))
         if params.get("backend"):
             self._node.user_properties.append(("dcp_backend", params["backend"]))
+        if isinstance(defect, KnownFailure) and defect.cures:
+            case = dataclasses.replace(case, first_failure_suffices=True)
         try:
             result = launcher.run(fn, case)
         except LaunchError as exc:
@@ -152,7 +154,7 @@ class DcpRunner:
         from dcpcheck.ranks.launcher import LaunchError
         from dcpcheck.ranks.report import format_case_failure
 
-        cured_case = dataclasses.replace(case, cures=defect.cures)
+        cured_case = dataclasses.replace(case, cures=defect.cures, first_failure_suffices=False)
         try:
             cured = launcher.run(fn, cured_case)
         except LaunchError as exc:

@@ -41,6 +41,9 @@ class Case:
     terms: CaseTerms  # the case in the contract's terms, as the implementation was asked about it
     header: dict[str, Any]  # what every failure message of the case opens with (stage, W, device, ...)
     cures: tuple[str, ...] = ()  # the known defects' causes the implementation neutralises in this run
+    # A run that only has to show its known defect, whose cured run checks the rest: a long check may end at
+    # its first failure.
+    first_failure_suffices: bool = False
 
     def describe(self) -> str:
         """The header as one line: ``stage=... | W=... | ... | seed=...``."""

@@ -159,7 +159,9 @@ def check_serving_trace(
     # A fused implementation's layer calls no prefill capability: its collectives are counted instead.
     fused = prefill_is_fused(ctx.impl)
     # Every layer of every step is compared before the case fails: one
-    # failure (a known defect's, say) hides no other layer's or step's.
+    # failure (a known defect's, say) hides no other layer's or step's. Where
+    # the case runs again with its known defect cured, that run checks every
+    # step: this one ends with the first step that fails.
     mismatches: list[MismatchError] = []
     with nullcontext([]) if fused else spy_on_capability(ctx.impl, "prefill_geometry") as geometry_calls:
         for step_index, step in enumerate(steps):
@@ -210,6 +212,8 @@ def check_serving_trace(
                         mismatches.append(mismatch)
                         continue
                     worst[what] = max(worst.get(what, 0.0), stats.worst_ratio)
+            if mismatches and ctx.case.first_failure_suffices:
+                break
             dcp_stack.finish(step.finished)
             if dcp1_stack is not None:
                 dcp1_stack.finish(step.finished)
