@@ -13,7 +13,12 @@ import torch
 class CountingGroup:
     """The group, with every ``all_gather`` of a >= 3-D tensor along dim 0
     (a gather of KV pages; q gathers are along heads, LSE and sink gathers
-    are 1-D or 2-D) counted in rows of its last dim."""
+    are 1-D or 2-D) counted in rows of its last dim.
+
+    An implementation that hands its layer another group object over the same
+    process group (dsv41: the tree's ``GroupCoordinator``) finds the group
+    underneath in ``wrapped`` and reports each all-gather that object makes to
+    ``observe_all_gather``."""
 
     def __init__(self, group):
         self._group = group
@@ -22,7 +27,14 @@ class CountingGroup:
     def __getattr__(self, name):
         return getattr(self._group, name)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1):
+    @property
+    def wrapped(self):
+        return self._group
+
+    def observe_all_gather(self, tensor: torch.Tensor, dim: int = -1) -> None:
         if tensor.dim() >= 3 and dim % tensor.dim() == 0:
             self.gathered_kv_rows += tensor.numel() // tensor.shape[-1]
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1):
+        self.observe_all_gather(tensor, dim)
         return self._group.all_gather(tensor, dim)

@@ -11,7 +11,13 @@ one, the test and world size that reach it, and what the failure must show.
   DCP decode calls) taken on the global page instead of the rank's: only a
   request past ``max_model_len / W`` loses states, and only a block-table row
   as wide as vLLM's (``serving.block_table_width``) shows it; one W times
-  wider hid it."""
+  wider hid it;
+* ``gathered_ranks_interleaved``: the device communicator's all-gather
+  (``DeviceCommunicatorBase.all_gather`` in ``base_device_communicator.py``)
+  moving the rank blocks one dim too far, so they interleave: the layer's DCP
+  group is the tree's ``GroupCoordinator`` over that communicator
+  (:mod:`dcpcheck.impls.dsv41.dcp_group`), and the port gathers its query
+  heads (and sink) through it; on dcpcheck's own group it went unseen."""
 
 from __future__ import annotations
 
@@ -56,6 +62,17 @@ PLANTS = (
         2,
         # The first compressed layer, at a decode of the request that reaches max_model_len.
         ("MismatchError: DCP-W vs float64 oracle", "layer=1 (rho 1)", "[decode, uid 0, position"),
+    ),
+    PlantedStackBug(
+        "gathered_ranks_interleaved",
+        "vllm/distributed/device_communicators/base_device_communicator.py",
+        # all_gather's move of the rank dim onto the gathered one (reduce_scatter's read input_/output_tensor).
+        "\n        output_tensor = output_tensor.movedim(0, dim)\n",
+        "\n        output_tensor = output_tensor.movedim(0, dim + 1)\n",
+        "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W2-stage3_chunked]",
+        2,
+        # The first layer with a DCP path (layer 0 is SWA-only: the DCP1 path, no collective).
+        ("MismatchError: DCP-W vs float64 oracle", "layer=1 (rho 1)"),
     ),
 )
 

@@ -4,7 +4,8 @@
 interleave in compressed states (a stack that hands the port states), is run
 with them, not dcpcheck's: its manifest line says the tree's, and finding 1's
 probe, which the suite's token-unit stand-in decides, finds nothing. The seed
-tree on plain vLLM 0.33.0 gets the stand-in and the finding.
+tree on plain vLLM 0.33.0 gets the stand-in and the finding. In both, the
+DCP group's line says the tree's ``GroupCoordinator`` runs.
 
 Needs vLLM on CPU (``tools/install_vllm_cpu.sh``); ``.ci/run`` runs this file
 after installing it."""
@@ -37,7 +38,8 @@ import json
 from dcpcheck.impls.dsv41 import Dsv41Implementation
 from dcpcheck.impls.dsv41.stand_ins import MANIFEST
 impl = Dsv41Implementation()
-print(json.dumps({"line": MANIFEST[1].line(impl), "read_unit": impl.findings.read_unit}))
+group = next(entry for entry in MANIFEST if entry.piece == "the DCP group")
+print(json.dumps({"line": MANIFEST[1].line(impl), "read_unit": impl.findings.read_unit, "group": group.line(impl)}))
 """
 
 pytestmark = NEEDS_VLLM_AND_SEED
@@ -73,3 +75,8 @@ def test_the_trees_dcp_attributes_replace_the_stand_in(tmp_path, stack_sets_dcp)
     else:
         assert ": stand-in, set from the DCP group" in report["line"]
         assert "elsewhere than they were written" in report["read_unit"]
+    # Either tree: the layer's DCP group is the tree's GroupCoordinator, its communicator named.
+    assert report["group"].startswith(
+        "the DCP group: the tree's (distributed/parallel_state.py GroupCoordinator, collectives through "
+        "distributed/device_communicators/"
+    ), report["group"]

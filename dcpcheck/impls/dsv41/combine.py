@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.dcp_group import layer_group
 from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
 
 KERNEL_SIGNATURE = inspect.signature(reference_kernel.sm120_sparse_attention_with_lse)
@@ -75,7 +76,7 @@ def run_step(layer, out, lse, sink, swa_indices, swa_lens, group) -> tuple[torch
     with (
         cuda_query_stand_ins(),
         patched(module, _sm120_sparse_attention_with_lse=kernel),
-        patched(layer, dcp_group=group, attn_sink=attn_sink, _dcp_sink=None),
+        patched(layer, dcp_group=layer_group(group), attn_sink=attn_sink, _dcp_sink=None),
     ):
         # Twice: a served layer runs every step, and what its first call leaves on
         # it (the gathered sink, the combine's launch context) serves the later ones.

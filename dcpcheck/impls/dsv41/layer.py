@@ -49,6 +49,7 @@ import types
 import torch
 
 from dcpcheck.impls.dsv41 import reference_kernel
+from dcpcheck.impls.dsv41.dcp_group import layer_group
 from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA
 from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES, served_topk_widths
 from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
@@ -287,8 +288,10 @@ def build_port_layer(
         hf_config=_hf_config(spec.topology, local_heads=spec.local_heads, head_dim=spec.head_dim, window=spec.window),
     )
 
+    dcp_group = layer_group(group)  # the tree's GroupCoordinator over the test's process group (.dcp_group)
+
     def weightless_init(self, vllm_config, prefix, topk_indices_buffer=None, **kwargs):
-        _run_tree_init_head(tree_init, self, vllm_config, prefix, topk_indices_buffer, group)
+        _run_tree_init_head(tree_init, self, vllm_config, prefix, topk_indices_buffer, dcp_group)
         sink = torch.full((self.padded_heads,), -math.inf, dtype=torch.float32, device=group.device)
         sink[: spec.local_heads] = spec.sink.float()
         self.attn_sink = torch.nn.Parameter(sink, requires_grad=False)
@@ -313,7 +316,7 @@ def build_port_layer(
 
     # The fp8 einsum recipe asserts a CUDA device; the reference kernel needs none.
     replacements = {
-        "get_dcp_group": lambda: group,
+        "get_dcp_group": lambda: dcp_group,
         "compute_fp8_einsum_recipe": lambda block_size=128: ((1, 1, block_size), True),
     }
     import vllm.utils.flashinfer as flashinfer_utils

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dcpcheck.impls.dsv41.dcp_group import layer_group
 from dcpcheck.impls.dsv41.layer import NULL_PAGE
 from dcpcheck.impls.dsv41.tree import patched
 
@@ -66,7 +67,7 @@ def _call(layer, group, cache, compressed, rows, num_requests: int, bs: int):
     """One ``_dcp_prefill_gather`` of ``num_requests`` prefill requests on the
     step cache ``cache`` (the class's, for this call only), ``group`` the layer's."""
     topk, token_to_req, is_valid_token = rows
-    with patched(type(layer), _dcp_gather_cache=cache), patched(layer, dcp_group=group):
+    with patched(type(layer), _dcp_gather_cache=cache), patched(layer, dcp_group=layer_group(group)):
         return layer._dcp_prefill_gather(
             compressed, topk, token_to_req, is_valid_token.bool(), cache["meta"], 0, num_requests, bs
         )

@@ -99,11 +99,13 @@ class StandIn:
     piece: str  # what the port reads
     home: str  # the vLLM file (and function) that would provide it
     suite: str  # what dcpcheck runs where the tree lacks it
-    tree_provides: Callable | None = None  # impl -> bool; None: never the tree's here
+    tree_provides: Callable | None = None  # impl -> bool, or what of the tree's runs (str); None: never the tree's here
 
     def line(self, impl) -> str:
-        if self.tree_provides is not None and self.tree_provides(impl):
-            return f"{self.piece}: the tree's ({self.home})"
+        provided = self.tree_provides(impl) if self.tree_provides is not None else False
+        if provided:
+            detail = f", {provided}" if isinstance(provided, str) else ""
+            return f"{self.piece}: the tree's ({self.home}{detail})"
         return f"{self.piece}: stand-in, {self.suite} (the stack's would live in {self.home})"
 
 
@@ -123,6 +125,14 @@ def layer_sets_dcp_attributes(impl) -> bool:
     from dcpcheck.impls.dsv41.layer import tree_dcp_attributes  # layer imports this module
 
     return tree_dcp_attributes(impl.tree) == set(DCP_ATTRIBUTES)
+
+
+def dcp_group_is_the_trees(impl) -> str | None:
+    """The tree's GroupCoordinator, built over the test's process group, and the communicator it runs."""
+    from dcpcheck.impls.dsv41.dcp_group import tree_coordinator  # imports the tree's vLLM
+
+    coordinator = tree_coordinator()
+    return None if coordinator is None else coordinator.describe()
 
 
 def _no_finding(name: str) -> Callable:
@@ -169,8 +179,9 @@ MANIFEST = (
     ),
     StandIn(
         "the DCP group",
-        "distributed/parallel_state.py get_dcp_group",
+        "distributed/parallel_state.py GroupCoordinator",
         "dcpcheck's group over the test's process group",
+        dcp_group_is_the_trees,
     ),
     StandIn(
         "weights, CUDA events",
