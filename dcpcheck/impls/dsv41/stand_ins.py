@@ -172,10 +172,13 @@ MANIFEST = (
         _no_finding("swa_placement"),
     ),
     StandIn(
-        "the top-k ids under DCP",
-        "model_executor/layers/sparse_attn_indexer.py (the DCP top-k merge)",
-        "the case's global compressed-state ids written into the model-wide topk_indices_buffer "
-        "(the indexer needs CUDA kernels)",
+        "the top-k ids under DCP and the indexer's metadata",
+        "model_executor/layers/sparse_attn_indexer.py (the DCP top-k merge), over the metadata of "
+        "v1/attention/backends/mla/indexer.py DeepseekV32IndexerMetadataBuilder.build (its per-rank lengths from "
+        "v1/attention/backends/utils.py get_dcp_local_seq_lens)",
+        "the case's global compressed-state ids written into the model-wide topk_indices_buffer; the builder's "
+        "build and get_dcp_local_seq_lens are not run: their one reader is the indexer's scoring and top-k, "
+        "CUDA kernels (DeepGEMM's paged MQA logits) that do not run here (the builder's DCP refusal does)",
     ),
     StandIn(
         "the DCP group",
