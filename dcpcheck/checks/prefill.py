@@ -44,6 +44,15 @@ class PrefillStep:
         return format_context(self.context)
 
     @property
+    def max_model_len(self) -> int:
+        """The layer's ``max_model_len`` (``build_attention``'s option): vLLM sizes a rank's block-table row
+        for max_model_len / W, so this is the widest row the case hands any rank (its spare columns
+        included) in tokens, times W."""
+        layout = self.batch.layout
+        width = max(rank_block_table(self.batch, rank).shape[1] for rank in range(layout.world_size))
+        return width * layout.bs * layout.rho * layout.world_size
+
+    @property
     def row_labels(self) -> tuple[str, ...]:
         kinds = [PREFILL_REQUESTS[req] for req in self.batch.token_to_req.tolist()]
         return tuple(
@@ -162,7 +171,12 @@ def port_dcp1(ctx, step: PrefillStep, *, on_device=False) -> torch.Tensor:
     )
     table = dcp1_block_table(step.batch)
     cache = comp_cache_for(step.batch, step.inputs, table, rank=0, world_size=1)
-    layer = ctx.impl.build_attention(layout, DcpGroup.single_rank(ctx.device), prefill_gather=False)
+    layer = ctx.impl.build_attention(
+        layout,
+        DcpGroup.single_rank(ctx.device),
+        prefill_gather=False,
+        max_model_len=table.shape[1] * layout.bs * layout.rho,
+    )
     return run_layer(
         layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device), on_device=on_device
     )

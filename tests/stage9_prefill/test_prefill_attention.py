@@ -79,7 +79,9 @@ def check_against_dcp1(ctx, step, out, what: str) -> dict:
 def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend, num_heads=None):
     step = prefill_step(ctx, rho=rho, S=S, bs=bs, top_k=K, dtype_name=dtype_name, backend=backend, num_heads=num_heads)
     with counting_gathers(ctx, step) as (group, gathers):
-        layer = ctx.impl.build_attention(step.batch.layout, group, prefill_gather=True, backend=backend)
+        layer = ctx.impl.build_attention(
+            step.batch.layout, group, prefill_gather=True, backend=backend, max_model_len=step.max_model_len
+        )
         out = run_layer(layer, step, ctx.device)
     if gathers() not in (None, 1):
         raise MismatchError(
@@ -149,9 +151,15 @@ def check_sub_chunks(ctx, step, chunk: int | None, backend: str) -> dict:
     bound = chunk or DESIGN_PREFILL_TOKEN_CHUNK
     if step.batch.num_tokens <= bound:
         raise ValueError(f"{step.case}: {step.batch.num_tokens} rows fit one sub-chunk of {bound}: nothing is split")
+    options["max_model_len"] = step.max_model_len
     chunked = ctx.impl.build_attention(step.batch.layout, ctx.group, prefill_gather=False, backend=backend, **options)
     unsplit = ctx.impl.build_attention(
-        step.batch.layout, ctx.group, prefill_gather=False, backend=backend, prefill_token_chunk=None
+        step.batch.layout,
+        ctx.group,
+        prefill_gather=False,
+        backend=backend,
+        prefill_token_chunk=None,
+        max_model_len=step.max_model_len,
     )
     out, largest = run_counting_q_gathers(ctx, chunked, step, bound=bound)
     whole = run_layer(unsplit, step, ctx.device)
@@ -207,7 +215,9 @@ def check_gather_switch(ctx, *, backend):
     for value, gathers_expected in (("1", True), ("0", False), (None, False)):
         with counting_gathers(ctx, step) as (group, gathers):
             with environment(PREFILL_GATHER_ENV, value):
-                layer = ctx.impl.build_attention(step.batch.layout, group, backend=backend)
+                layer = ctx.impl.build_attention(
+                    step.batch.layout, group, backend=backend, max_model_len=step.max_model_len
+                )
             outputs[value] = run_layer(layer, step, ctx.device)
         if gathers() is not None and bool(gathers()) != gathers_expected:
             raise MismatchError(

@@ -302,8 +302,7 @@ class Dsv41Implementation:
         layer = self._port_layer(
             out.device, group.world_size, group.rank_in_group, 1, rho=1, head_dim=out.shape[2], backend=backend
         )
-        with self.calling(layer):
-            return run_step(layer, out, lse, sink, swa_indices, swa_lens, group)
+        return run_step(layer, out, lse, sink, swa_indices, swa_lens, group, calling=self.calling)
 
     def build_attention(
         self,

@@ -17,6 +17,7 @@ Its domain is the port's: bf16 partials, base-2 LSEs, no merged LSE out
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -49,10 +50,12 @@ def in_port_domain(out, group, *, lse_base: float, return_lse: bool, local_heads
     )
 
 
-def run_step(layer, out, lse, sink, swa_indices, swa_lens, group) -> tuple[torch.Tensor, KernelInputs]:
+def run_step(layer, out, lse, sink, swa_indices, swa_lens, group, *, calling=None) -> tuple[torch.Tensor, KernelInputs]:
     """One ``_run_sm120_dcp`` of ``layer`` whose kernel writes ``out`` / ``lse``
     (this rank's partials of every gathered head), the layer's sink ``sink``
     [H_loc] and window rows ``swa_indices`` / ``swa_lens`` handed to the step.
+    ``calling(layer)``: a context manager around each call into the layer (the
+    case's cures; none: as it is).
     -> (the step's output [T, H_loc, D], what its kernel was handed)."""
     num_tokens, num_heads, head_dim = out.shape
     seen = {}
@@ -81,5 +84,8 @@ def run_step(layer, out, lse, sink, swa_indices, swa_lens, group) -> tuple[torch
         # Twice: a served layer runs every step, and what its first call leaves on
         # it (the gathered sink, the combine's launch context) serves the later ones.
         for _ in range(2):
-            layer._run_sm120_dcp(q, out.new_empty((1, 1, head_dim)), swa_indices, swa_lens, None, None, None, output)
+            with calling(layer) if calling else contextlib.nullcontext():
+                layer._run_sm120_dcp(
+                    q, out.new_empty((1, 1, head_dim)), swa_indices, swa_lens, None, None, None, output
+                )
     return output, KernelInputs(**seen)
