@@ -26,6 +26,11 @@ HEAD_DIM = 64
 WINDOW = 8
 
 
+def max_model_len_of(width: int, layout: KvLayout) -> int:
+    """The ``max_model_len`` whose block-table row (vLLM's: max_model_len / W, in pages) is ``width`` pages."""
+    return width * layout.bs * layout.rho * layout.world_size
+
+
 @dataclass
 class PrefillStep:
     """One prefill step as this rank sees it (tensors on the rank's device)."""
@@ -49,8 +54,9 @@ class PrefillStep:
         for max_model_len / W, so this is the widest row the case hands any rank (its spare columns
         included) in tokens, times W."""
         layout = self.batch.layout
-        width = max(rank_block_table(self.batch, rank).shape[1] for rank in range(layout.world_size))
-        return width * layout.bs * layout.rho * layout.world_size
+        return max_model_len_of(
+            max(rank_block_table(self.batch, rank).shape[1] for rank in range(layout.world_size)), layout
+        )
 
     @property
     def row_labels(self) -> tuple[str, ...]:
@@ -175,7 +181,7 @@ def port_dcp1(ctx, step: PrefillStep, *, on_device=False) -> torch.Tensor:
         layout,
         DcpGroup.single_rank(ctx.device),
         prefill_gather=False,
-        max_model_len=table.shape[1] * layout.bs * layout.rho,
+        max_model_len=max_model_len_of(table.shape[1], layout),
     )
     return run_layer(
         layer, step, ctx.device, block_table=table.to(ctx.device), comp_cache=cache.to(ctx.device), on_device=on_device

@@ -100,28 +100,25 @@ def gpu_ci_argv(argv: list[str], places: dict[str, str]) -> list[str]:
     return [*GPU_CI_SMALL_RUN, "--out", places["out"], *(arg.format(**places) for arg in argv), *GPU_CI_NO_CASES]
 
 
+def answers_by_call(tool: str, calls: list[tuple[tuple[str, ...], list[str]]]) -> dict[tuple[str, ...], dict]:
+    """Each (interpreter flags, argv) call's answer from ``tool``, keyed ``(*flags, *argv)``: one process per
+    set of flags."""
+    answers = {}
+    for flags in dict.fromkeys(flags for flags, _ in calls):
+        argvs = [argv for call_flags, argv in calls if call_flags == flags]
+        answers.update({(*flags, *argv): answer for argv, answer in zip(argvs, tool_answers(tool, list(flags), argvs))})
+    return answers
+
+
 @pytest.fixture(scope="module")
 def gpu_ci_answers(places) -> dict[tuple[str, ...], dict]:
-    argvs = [gpu_ci_argv(argv, places) for argv, _ in GPU_CI_CASES]
-    return dict(zip(map(tuple, argvs), tool_answers("tools/gpu_ci.py", [], argvs)))
+    return answers_by_call("tools/gpu_ci.py", [((), gpu_ci_argv(argv, places)) for argv, _ in GPU_CI_CASES])
 
 
 @pytest.fixture(scope="module")
 def diff_coverage_answers(places) -> dict[tuple[str, ...], dict]:
-    answers = {}
-    for flags in {tuple(flags) for flags, _, _ in DIFF_COVERAGE_CASES}:
-        argvs = [
-            [arg.format(**places) for arg in argv]
-            for case_flags, argv, _ in DIFF_COVERAGE_CASES
-            if case_flags == list(flags)
-        ]
-        answers.update(
-            {
-                (*flags, *argv): answer
-                for argv, answer in zip(argvs, tool_answers("tools/diff_coverage.py", list(flags), argvs))
-            }
-        )
-    return answers
+    calls = [(tuple(flags), [arg.format(**places) for arg in argv]) for flags, argv, _ in DIFF_COVERAGE_CASES]
+    return answers_by_call("tools/diff_coverage.py", calls)
 
 
 def usage_error_line(answer: dict) -> str:
