@@ -42,14 +42,18 @@ def leave_on_rank(ctx, *, bad_rank: int, how: str, before_collective: bool = Tru
         sum_of_ranks(ctx)
 
 
-def spin_holding_the_gil(ctx, *, marker: str, stop_rank: int | None = None) -> None:
-    """A busy loop in C that never releases the GIL, so no Python thread of
-    this process (an orphan guard, a signal handler) runs again; ``stop_rank``
-    stops itself (SIGSTOP) instead."""
+def block_holding_the_gil(ctx, *, marker: str, stop_rank: int | None = None) -> None:
+    """Blocks in C with the GIL held and every signal held back (``sigsuspend``
+    on a full mask, called through ``ctypes.PyDLL``, which keeps the GIL), so
+    no Python thread of this process (an orphan guard, a signal handler) runs
+    again, and no core is spent: a bound on how fast the harness ends such a
+    case is not loaded by the case itself. ``stop_rank`` stops itself (SIGSTOP)
+    first."""
     Path(f"{marker}.{ctx.rank}").write_text(str(os.getpid()))
     if ctx.rank == stop_rank:
         os.kill(os.getpid(), signal.SIGSTOP)
-    sum(range(10**15))
+    every_signal = (ctypes.c_ubyte * 128)(*[0xFF] * 128)  # a sigset_t with every bit set
+    ctypes.PyDLL(None).sigsuspend(ctypes.byref(every_signal))
 
 
 def report_then_exit(ctx, *, bad_rank: int) -> int:

@@ -1,4 +1,4 @@
-"""What the no-orphan self-tests share: an inner session whose case spins
+"""What the no-orphan self-tests share: an inner session whose case blocks
 with the GIL held, and how a test waits for processes and reads their state."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 from dcpcheck.ranks.procstate import process_state_letter
 from tests.selftest.inner import start_inner_pytest, write_session
 
-GIL_SPINNING_TESTS = """
-from tests.selftest.hostile import spin_holding_the_gil, start_processes
+GIL_HOLDING_TESTS = """
+from tests.selftest.hostile import block_holding_the_gil, start_processes
 
-def spin_after_starting_processes(ctx, *, marker, pid_file, stop_rank):
+def block_after_starting_processes(ctx, *, marker, pid_file, stop_rank):
     start_processes(ctx, pid_file=pid_file)
-    spin_holding_the_gil(ctx, marker=marker, stop_rank=stop_rank)
+    block_holding_the_gil(ctx, marker=marker, stop_rank=stop_rank)
 
-def test_spins(dcp, tmp_path_factory):
-    dcp.run(spin_after_starting_processes, marker="{marker}", pid_file="{pid_file}", stop_rank={stop_rank})
+def test_blocks(dcp, tmp_path_factory):
+    dcp.run(block_after_starting_processes, marker="{marker}", pid_file="{pid_file}", stop_rank={stop_rank})
 """
 
 
@@ -43,12 +43,12 @@ def pool_dir_of(rank_pid: int) -> Path:
     raise AssertionError(f"rank {rank_pid} has no stack file open")
 
 
-def start_spinning_session(tmp_path, args: list[str]):
-    """An inner session whose one W = 2 case spins with the GIL held (its
+def start_stuck_session(tmp_path, args: list[str]):
+    """An inner session whose one W = 2 case blocks with the GIL held (its
     timeout far away) -> (the process, the rank pids, the pool's directory)."""
-    marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
-    tests = GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=None)
-    write_session(tmp_path, {"test_spin.py": tests})
+    marker, pid_file = tmp_path / "blocked", tmp_path / "pids"
+    tests = GIL_HOLDING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=None)
+    write_session(tmp_path, {"test_block.py": tests})
     proc = start_inner_pytest(
         tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120", *args], own_group=True
     )

@@ -1,5 +1,5 @@
 """No process outlives what started it: a killed pytest (or a killed xdist
-controller) leaves no rank, even one spinning with the GIL held, nor anything
+controller) leaves no rank, even one blocked with the GIL held, nor anything
 a rank started (in its group, in a new session, or a daemon), nor the pool's
 temporary directory."""
 
@@ -16,18 +16,19 @@ import pytest
 
 from dcpcheck.ranks.procstate import parent_pid, process_state_letter
 from tests.selftest.inner import inner_env, start_inner_pytest, write_session
-from tests.selftest.processes import GIL_SPINNING_TESTS, alive, pool_dir_of, start_spinning_session, wait_until
+from tests.selftest.processes import GIL_HOLDING_TESTS, alive, pool_dir_of, start_stuck_session, wait_until
+from tests.selftest.slowdown import Slowdown
 
 pytestmark = pytest.mark.spawned_only
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_session_leaves_no_process_even_with_the_gil_held_or_a_rank_stopped(tmp_path, sig):
-    # Rank 0 spins with the GIL held, rank 1 is stopped (SIGSTOP): when pytest
+    # Rank 0 blocks with the GIL held, rank 1 is stopped (SIGSTOP): when pytest
     # dies the kernel also sends SIGHUP to the pool's now orphaned process group.
-    marker, pid_file = tmp_path / "spinning", tmp_path / "pids"
-    tests = GIL_SPINNING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=1)
-    write_session(tmp_path, {"test_spin.py": tests})
+    marker, pid_file = tmp_path / "blocked", tmp_path / "pids"
+    tests = GIL_HOLDING_TESTS.format(marker=marker, pid_file=pid_file, stop_rank=1)
+    write_session(tmp_path, {"test_block.py": tests})
     proc = start_inner_pytest(tmp_path, ["--world-sizes", "2", "-k", "W2", "--dcp-timeout", "120"])
     markers = [Path(f"{marker}.{rank}") for rank in range(2)]
     assert wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
@@ -94,11 +95,14 @@ XDIST_WORKER_END_S = 3.0
 
 
 def test_sigterm_of_the_xdist_controller_ends_its_workers_ranks(tmp_path):
-    proc, ranks, pool_dir = start_spinning_session(tmp_path, ["-n", "1"])
-    killed = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)  # the controller only, as a CI timeout may send it
-    proc.communicate(timeout=30)  # until the worker, which holds its output pipe, is gone too
-    assert wait_until(lambda: not any(map(alive, ranks)), 10), [p for p in ranks if alive(p)]
-    seconds = time.monotonic() - killed
-    assert seconds < XDIST_WORKER_END_S, f"the worker and its ranks outlived their controller by {seconds:.1f} s"
+    proc, ranks, pool_dir = start_stuck_session(tmp_path, ["-n", "1"])
+    with Slowdown() as slow:
+        killed = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the controller only, as a CI timeout may send it
+        proc.communicate(timeout=30)  # until the worker, which holds its output pipe, is gone too
+        assert wait_until(lambda: not any(map(alive, ranks)), 10), [p for p in ranks if alive(p)]
+        seconds = time.monotonic() - killed
+    assert seconds < slow.bound(XDIST_WORKER_END_S), (
+        f"the worker and its ranks outlived their controller by {seconds:.1f} s (the machine ran {slow.factor:.1f}x slow)"
+    )
     assert wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
