@@ -303,4 +303,10 @@ if __name__ == "__main__":
     # As the module, not __main__: the messages pickle under one name on both sides.
     from dcpcheck.ranks import zygote_server
 
-    sys.exit(zygote_server.main())
+    code = zygote_server.main()
+    # Its output is pytest's to read; beyond that, nothing is left to release,
+    # and the finalization of an interpreter with torch loaded would delay
+    # every session's end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
