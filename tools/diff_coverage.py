@@ -138,7 +138,23 @@ def changed_files(tree: Path) -> list[ChangedFile]:
             changed.append(ChangedFile(own.relative_to(tree).as_posix(), own, counterpart))
     if not changed:
         raise UsageError(f"--tree {tree}: no .py file of it differs from the vLLM it links to ({stock})")
+    for file in changed:  # its statements are found by parsing it: refused before pytest runs, not after
+        if problem := parse_problem(file.own):
+            raise UsageError(
+                f"--tree {tree}: {file.path} does not parse ({problem}); accepted: changed files of Python"
+            )
     return changed
+
+
+def parse_problem(path: Path) -> str | None:
+    """Why ``path`` is not Python that parses, else None."""
+    try:
+        ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:
+        return f"line {exc.lineno}: {exc.msg}"
+    except ValueError as exc:  # null bytes, on Python 3.11
+        return str(exc)
+    return None
 
 
 def changed_lines(changed: ChangedFile) -> set[int]:

@@ -70,7 +70,13 @@ DIFF_COVERAGE_CASES = [
         ["report", "--tree", "{folder}", "--data", "{folder}"],
         "--tree {folder}: no vllm/ of links to an installed vLLM (build one with tools/build_dsv41_tree.sh)",
     ),
+    (
+        [],
+        ["report", "--tree", "{broken_tree}", "--data", "{folder}"],
+        "--tree {broken_tree}: vllm/broken.py does not parse ({broken_problem}); accepted: changed files of Python",
+    ),
 ]
+BROKEN_SOURCE = "def forward(self:\n    return 1\n"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,24 @@ def places(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("places")
     (folder / "a-file").write_text("not a folder\n")
     (folder / "a-folder").mkdir()
-    return {"file": str(folder / "a-file"), "folder": str(folder / "a-folder"), "out": str(folder / "out")}
+    # A tree whose one changed file does not parse, beside a link into a stand-in for the vLLM it mirrors.
+    stock, tree = folder / "stock" / "vllm", folder / "broken-tree" / "vllm"
+    stock.mkdir(parents=True)
+    tree.mkdir(parents=True)
+    (stock / "linked.py").write_text("x = 1\n")
+    (tree / "linked.py").symlink_to(stock / "linked.py")
+    (tree / "broken.py").write_text(BROKEN_SOURCE)
+    try:
+        compile(BROKEN_SOURCE, "broken.py", "exec")
+    except SyntaxError as exc:  # this Python's words for it
+        broken_problem = f"line {exc.lineno}: {exc.msg}"
+    return {
+        "file": str(folder / "a-file"),
+        "folder": str(folder / "a-folder"),
+        "out": str(folder / "out"),
+        "broken_tree": str(tree.parent),
+        "broken_problem": broken_problem,
+    }
 
 
 def tool_answers(tool: str, flags: list[str], argvs: list[list[str]]) -> list[dict]:
