@@ -1,11 +1,11 @@
 """How slow the machine was over an interval, as a busy process saw it.
 
 A bound on how long a session takes to end holds on a quiet machine; the
-README's own test command runs it beside another xdist worker's pools (at
-W = 8, sixteen busy ranks on CI's two cores), where every process gets a
-tenth of a core and the same work takes ten times as long. A bound scaled by
-the slowdown a busy canary measured over the same interval stays as tight as
-written on a quiet machine and stops failing on a loaded one."""
+README's own test command runs it beside another xdist worker's pools (two
+W = 8 cases are sixteen busy ranks on CI's two cores), where a process gets a
+fraction of a core and the same work takes several times as long. A bound
+scaled by the slowdown a busy canary measured over the same interval stays as
+tight as written on a quiet machine and stops failing on a loaded one."""
 
 from __future__ import annotations
 
