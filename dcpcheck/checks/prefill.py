@@ -5,6 +5,7 @@ stage-9 test)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -48,7 +49,7 @@ class PrefillStep:
     def case(self) -> str:
         return format_context(self.context)
 
-    @property
+    @cached_property
     def max_model_len(self) -> int:
         """The layer's ``max_model_len`` (``build_attention``'s option): vLLM sizes a rank's block-table row
         for max_model_len / W, so this is the widest row the case hands any rank (its spare columns
