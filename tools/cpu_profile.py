@@ -28,7 +28,9 @@ from pathlib import Path
 
 # What a frame's function is, from py-spy's "function (path:line)".
 NESTED_JIT_CALL = "InterpretedFunction.__call__"  # a @triton.jit function called from a kernel
-KERNEL_LAUNCH = "GridExecutor.__call__"  # one launch: its body runs once per program instance
+# One launch: its body runs once per program instance, or once for all of
+# them where dcpcheck/interpreter_grids.py vectorises it.
+KERNEL_LAUNCHES = ("GridExecutor.__call__", "_vectorised_call")
 # As shipped, the interpreter swaps triton.language for its own at each call of
 # either; dcpcheck's shortcut (dcpcheck/interpreter_patching.py) takes its place
 # and patches once per process: at later calls its frame alone, an O(1) check.
@@ -45,7 +47,7 @@ KINDS = (
     (NESTED_PATCHING, lambda frames: _calls(frames, NESTED_JIT_CALL, PATCH_LANG)),
     (
         "Triton interpreter: per launch (triton.language patched, arguments copied)",
-        lambda frames: KERNEL_LAUNCH in frames and _kernel_of(frames) is None,
+        lambda frames: any(launch in frames for launch in KERNEL_LAUNCHES) and _kernel_of(frames) is None,
     ),
     ("Triton interpreter: kernel bodies", lambda frames: _kernel_of(frames) is not None),
     (
@@ -104,7 +106,7 @@ def _is_library(path: str) -> bool:
 def _kernel_of(frames: Frames) -> str | None:
     """The kernel a launch runs: the function its GridExecutor calls, when that is not library code."""
     for index, name in enumerate(frames.names[:-1]):
-        if name == KERNEL_LAUNCH and not _is_library(frames.files[index + 1]):
+        if name in KERNEL_LAUNCHES and not _is_library(frames.files[index + 1]):
             return f"{frames.names[index + 1]} ({frames.files[index + 1]})"
     return None
 

@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from dcpcheck.impls.protocol import CAPABILITIES
+from dcpcheck.interpreter_grids import vectorise_listed_kernels
 from dcpcheck.interpreter_patching import patch_language_once_per_process
 
 
@@ -131,6 +132,7 @@ def load_implementation(spec: str):
     # Every process that runs an implementation loads it here first, after
     # triton's interpreter mode is chosen (TRITON_INTERPRET is read at import).
     patch_language_once_per_process()
+    vectorise_listed_kernels()
     return impl
 
 

@@ -32,6 +32,9 @@ RAW = "\n".join(
         "_patch_lang (triton/runtime/interpreter.py:1349) 1",
         RANK + "<module> (dcpcheck/ranks/worker.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 4",
         CASE + "sparse_attention (dcpcheck/oracle/attention.py:40) 2",
+        CASE
+        + "Vectoriser.call (dcpcheck/interpreter_grids.py:100);_vectorised_call (dcpcheck/interpreter_grids.py:200);"
+        "_dcp_a2a_unpack_combine_kernel (vllm/v1/attention/ops/dcp.py:725);binary_op (triton/runtime/interpreter.py:700) 4",
         'process 20:"python -m tests.selftest.session_probe cases.json";main (session_probe.py:9) 3',
         'process 30:"python -m dcpcheck.ranks.zygote_server --fd 15";process 31:"python -m dcpcheck.ranks.zygote_server";'
         "zygote_main (dcpcheck/ranks/worker.py:160) 2",
@@ -42,18 +45,19 @@ RAW = "\n".join(
 
 def test_samples_are_sorted_by_kind_process_and_kernel():
     profile = Profile.read(RAW.splitlines())
-    assert profile.total == 22
+    assert profile.total == 26
     assert profile.kinds == {
         "Triton interpreter: triton.language patched again at a nested @triton.jit call": 3,
-        "Triton interpreter: kernel bodies": 5,
+        "Triton interpreter: kernel bodies": 9,
         "Triton interpreter: per launch (triton.language patched, arguments copied)": 3,
         "imports at a process's start (interpreter, torch, plugins)": 4,
         "float64 oracle": 2,
         "other": 5,
     }
-    assert profile.processes == {"pool zygote and ranks": 19, "inner sessions of self-tests (session probe)": 3}
+    assert profile.processes == {"pool zygote and ranks": 23, "inner sessions of self-tests (session probe)": 3}
     kernel = "_sum_received_kernel (dcpcheck/port/combine.py)"
-    assert profile.kernels == {kernel: 8}
+    vectorised = "_dcp_a2a_unpack_combine_kernel (vllm/v1/attention/ops/dcp.py)"
+    assert profile.kernels == {kernel: 8, vectorised: 4}
     assert profile.nested_patching == {kernel: 3}
 
 
@@ -63,7 +67,8 @@ def test_report_writes_its_markdown_and_refuses_a_missing_file(tmp_path, capsys)
     assert main(["report", "--raw", str(raw), "--markdown", str(markdown)]) == 0
     report = markdown.read_text()
     assert report == capsys.readouterr().out
-    assert "| Triton interpreter: kernel bodies | 22.7 % |" in report
-    assert "| `_sum_received_kernel (dcpcheck/port/combine.py)` | 36.4 % | 13.6 % |" in report
+    assert "| Triton interpreter: kernel bodies | 34.6 % |" in report  # 9 of 26
+    assert "| `_sum_received_kernel (dcpcheck/port/combine.py)` | 30.8 % | 11.5 % |" in report
+    assert "| `_dcp_a2a_unpack_combine_kernel (vllm/v1/attention/ops/dcp.py)` | 15.4 % | 0.0 % |" in report
     with pytest.raises(SystemExit, match="no samples at .*missing.txt; accepted: a file written by `run`"):
         main(["report", "--raw", str(tmp_path / "missing.txt")])
