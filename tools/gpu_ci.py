@@ -516,6 +516,11 @@ def parse_args(argv=None):
         default=None,
         help="pytest-xdist workers of the pool session (default: by GPUs and cores, see default_workers; 0 or 1: none)",
     )
+    parser.add_argument(
+        "--one-wave",
+        action="store_true",
+        help="run every session at once, the vLLM ones beside the pool session (needs both waves' GPU memory at once)",
+    )
     parser.add_argument("--fail-fast", action="store_true", help="each session stops after its first failure (-x)")
     parser.add_argument(
         "--session-timeout",
@@ -529,19 +534,12 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    gpus = gpu_count() if args.device == "cuda" else 0
-    if args.device == "cuda" and gpus == 0:
-        print("gpu_ci: no CUDA device visible; run it on a GPU host (or --device cpu for a dry run)", file=sys.stderr)
-        return 2
-    cores = os.cpu_count() or 1
-    if args.workers is None:
-        args.workers = default_workers(gpus, cores)
+def plan(
+    args, out: Path, gpus: int
+) -> tuple[list[SessionRun], dict[Path, dict[str, list[str]]], list[Session], str | None]:
+    """-> (the sessions to run, each session's JUnit file with its steps' test paths, the sessions,
+    why the vLLM sessions are left out or None)."""
     wanted = set(args.steps.split(",")) if args.steps else set(STEP_NAMES)
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out.resolve()
-
     runs, junit_files, sessions = [], {}, []
     left_out = vllm_missing() if wanted & {s.name for s in VLLM_SESSIONS} else None
     for session in SESSIONS:
@@ -555,10 +553,25 @@ def main(argv=None) -> int:
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
         env = with_plugin_path({**os.environ, SPREAD_ENV: "1", **dict(session.env)})
-        runs.append(SessionRun(session.name, argv_, env, wave=session.wave))
+        runs.append(SessionRun(session.name, argv_, env, wave=0 if args.one_wave else session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
+    return runs, junit_files, sessions, left_out
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpus = gpu_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus == 0:
+        print("gpu_ci: no CUDA device visible; run it on a GPU host (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    cores = os.cpu_count() or 1
+    if args.workers is None:
+        args.workers = default_workers(gpus, cores)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+
+    runs, junit_files, sessions, left_out = plan(args, out, gpus)
     started = time.perf_counter()
     walls = run_sessions(runs, out, args.session_timeout)
     wall = time.perf_counter() - started

@@ -75,3 +75,15 @@ def test_the_run_ends_with_one_line_per_xpass(junit, tmp_path, monkeypatch, caps
     monkeypatch.setattr(gpu_ci, "run_sessions", sessions_that_wrote_the_junit)
     gpu_ci.main(["--device", "cpu", "--steps", "stage1", "--out", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[-1] == XPASS_LINE
+
+
+@pytest.mark.parametrize("one_wave", [False, True])
+def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_path, monkeypatch, one_wave):
+    monkeypatch.setattr(gpu_ci, "vllm_missing", lambda: None)
+    args = gpu_ci.parse_args(["--out", str(tmp_path), *(["--one-wave"] if one_wave else [])])
+    args.workers = 4
+    runs, _, _, left_out = gpu_ci.plan(args, tmp_path, gpus=1)
+    waves = {run.name: run.wave for run in runs}
+    later = 0 if one_wave else 1
+    assert waves == {"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "vllm": later, "dsv41": later}
+    assert left_out is None
