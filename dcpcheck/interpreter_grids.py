@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from dcpcheck.interpreter_patching import PATCHED_VERSIONS
+from dcpcheck.interpreter_patching import interpreter_to_patch
 
 VECTORISED_KERNELS = (
     "vllm.v1.attention.ops.dcp._dcp_a2a_pack_send_kernel",
@@ -343,16 +341,11 @@ def _vectorised_reduce(shipped):
 
 def vectorise_listed_kernels(kernels: tuple[str, ...] = VECTORISED_KERNELS) -> Vectoriser | None:
     """Install vectorised launches for ``kernels`` in this process (idempotent) -> what was installed;
-    ``None``, changing nothing, where :func:`~dcpcheck.interpreter_patching.patch_language_once_per_process`
-    changes nothing either."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+    ``None``, changing nothing, where :func:`~dcpcheck.interpreter_patching.interpreter_to_patch` finds nothing
+    to patch."""
+    interpreter = interpreter_to_patch()
+    if interpreter is None:
         return None
-    import triton
-
-    if not triton.__version__.startswith(PATCHED_VERSIONS):
-        return None
-    from triton.runtime import interpreter
-
     installed = getattr(interpreter, "_dcpcheck_vectoriser", None)
     if installed is not None:
         return installed

@@ -138,12 +138,10 @@ def _np_dtype_per_type(get_np_dtype: Callable) -> Callable:
     return np_dtype_of
 
 
-def patch_language_once_per_process() -> Shortcut | None:
-    """Install the shortcut in this process (idempotent); -> what it replaced.
-
-    The language itself is patched at the first launch after this. ``None``,
-    changing nothing, without ``TRITON_INTERPRET=1``, before anything imported
-    triton, or under a Triton version not in ``PATCHED_VERSIONS``."""
+def interpreter_to_patch():
+    """``triton.runtime.interpreter`` where dcpcheck patches it: under
+    ``TRITON_INTERPRET=1``, once something imported triton, at a Triton
+    version in ``PATCHED_VERSIONS``; else ``None``."""
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
         return None  # nothing is interpreted, or nothing here imported triton (patching would import it)
     import triton
@@ -152,6 +150,17 @@ def patch_language_once_per_process() -> Shortcut | None:
         return None
     from triton.runtime import interpreter
 
+    return interpreter
+
+
+def patch_language_once_per_process() -> Shortcut | None:
+    """Install the shortcut in this process (idempotent); -> what it replaced.
+
+    The language itself is patched at the first launch after this. ``None``,
+    changing nothing, where :func:`interpreter_to_patch` finds nothing to patch."""
+    interpreter = interpreter_to_patch()
+    if interpreter is None:
+        return None
     installed = getattr(interpreter, "_dcpcheck_shortcut", None)
     if installed is not None:
         return installed
