@@ -15,19 +15,15 @@ import triton
 import triton.language as tl
 
 from dcpcheck.interpreter_grids import vectorise_listed_kernels
-from dcpcheck.interpreter_patching import PATCHED_VERSIONS
 from dcpcheck.port.triton_env import INTERPRETED
+from tests.selftest.test_interpreter_patching import installed_where_patched
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to run the kernels under the interpreter")
 
 
 @pytest.fixture
 def vectoriser(monkeypatch):
-    installed = vectorise_listed_kernels()
-    if installed is None:
-        pytest.skip(
-            f"triton {triton.__version__}'s interpreter runs as shipped: PATCHED_VERSIONS is {PATCHED_VERSIONS}"
-        )
+    installed = installed_where_patched(vectorise_listed_kernels)
     kernels = (_scaled_rows, _running_count, _rows_as_columns, _skip_flagged, _row_stats)
     names = {f"{kernel.fn.__module__}.{kernel.fn.__qualname__}" for kernel in kernels}
     monkeypatch.setattr(installed, "kernels", installed.kernels | names)
