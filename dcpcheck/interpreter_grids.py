@@ -95,6 +95,7 @@ class Vectoriser:
 
     shipped_call: object  # GridExecutor.__call__ as shipped
     kernels: frozenset[str]  # module.qualname of each kernel run vectorised
+    ops: _VectorisedOps  # the interpreter's ops for a vectorised run, in place only while one runs
     verified: set = field(default_factory=set)  # specialisations whose first launch matched the shipped run
     fallbacks: dict = field(default_factory=dict)  # specialisation -> why it runs as shipped
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -110,7 +111,7 @@ class Vectoriser:
         if key not in self.verified:
             return self._first_launch(key, memory, executor, args, kwargs)
         try:
-            _vectorised_call(executor, args, kwargs)
+            self._vectorised_call(executor, args, kwargs)
         except Exception as exc:  # noqa: BLE001  (whatever it was, the shipped run decides: it raises a real error)
             memory.restore(memory.before)
             self._fall_back(key, f"{type(exc).__name__}: {exc}")
@@ -121,7 +122,7 @@ class Vectoriser:
         shipped = memory.copy()
         memory.restore(memory.before)
         try:
-            _vectorised_call(executor, args, kwargs)
+            self._vectorised_call(executor, args, kwargs)
         except Exception as exc:  # noqa: BLE001  (the shipped run, done first, decided the launch)
             memory.restore(shipped)
             return self._fall_back(key, f"{type(exc).__name__}: {exc}")
@@ -131,9 +132,43 @@ class Vectoriser:
         with self.lock:
             self.verified.add(key)
 
+    def _vectorised_call(self, executor, args, kwargs) -> None:
+        with self.ops.in_place():
+            _vectorised_call(executor, args, kwargs)
+
     def _fall_back(self, key, why: str) -> None:
         with self.lock:
             self.fallbacks[key] = why
+
+
+@dataclass
+class _VectorisedOps:
+    """The interpreter's attributes a vectorised run replaces (adapted, or
+    refused), each ``(owner, name, shipped, replacement)``. They are in place
+    only while some thread runs a vectorised launch: every other op of every
+    other kernel then runs as shipped, without a wrapper's cost. A thread that
+    runs a shipped launch meanwhile gets the shipped op through the
+    replacement (it checks for this thread's vectorised run)."""
+
+    patches: list
+    runs: int = 0  # vectorised launches running now, over every thread
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextlib.contextmanager
+    def in_place(self) -> Iterator[None]:
+        with self.lock:
+            if self.runs == 0:
+                for owner, name, _, replacement in self.patches:
+                    setattr(owner, name, replacement)
+            self.runs += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.runs -= 1
+                if self.runs == 0:
+                    for owner, name, shipped, _ in self.patches:
+                        setattr(owner, name, shipped)
 
 
 @dataclass
@@ -352,13 +387,15 @@ def vectorise_listed_kernels(kernels: tuple[str, ...] = VECTORISED_KERNELS) -> V
     builder = interpreter.InterpreterBuilder
     ops = [name for name in dir(builder) if name.startswith("create_")]
     shipped = {name: getattr(builder, name) for name in ops}
-    for name, op in _adapted_ops(shipped).items():
-        setattr(builder, name, op)
-    for name in set(ops) - ELEMENTWISE_OPS - set(ADAPTED_OPS):
-        setattr(builder, name, _refused(name, shipped[name]))
-    interpreter.ReduceOps.apply_impl = _vectorised_reduce(interpreter.ReduceOps.apply_impl)
-    interpreter.ScanOps.apply_impl = _refused("scan", interpreter.ScanOps.apply_impl)
-    vectoriser = Vectoriser(interpreter.GridExecutor.__call__, frozenset(kernels))
+    replacements = {
+        **{name: _refused(name, shipped[name]) for name in set(ops) - ELEMENTWISE_OPS - set(ADAPTED_OPS)},
+        **_adapted_ops(shipped),
+    }
+    patches = [(builder, name, shipped[name], op) for name, op in replacements.items()]
+    reduce, scan = interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl
+    patches.append((interpreter.ReduceOps, "apply_impl", reduce, _vectorised_reduce(reduce)))
+    patches.append((interpreter.ScanOps, "apply_impl", scan, _refused("scan", scan)))
+    vectoriser = Vectoriser(interpreter.GridExecutor.__call__, frozenset(kernels), _VectorisedOps(patches))
 
     def call(executor, *args, **kwargs):
         return vectoriser.call(executor, *args, **kwargs)

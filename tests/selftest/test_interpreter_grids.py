@@ -151,6 +151,31 @@ def test_a_later_launch_that_fails_vectorised_is_undone_and_run_as_shipped(vecto
     assert why == "NotVectorisable: a tensor's __bool__ differing between programs (a branch on a runtime value)"
 
 
+def test_the_vectorised_ops_are_in_place_only_while_a_vectorised_launch_runs(vectoriser, monkeypatch):
+    """Every other kernel (the port's) runs on the interpreter's ops as shipped, without a wrapper's cost."""
+    from dcpcheck import interpreter_grids
+
+    patches = vectoriser.ops.patches
+
+    def ops_now():
+        return [getattr(owner, name) for owner, name, _, _ in patches]
+
+    shipped, replacements = [patch[2] for patch in patches], [patch[3] for patch in patches]
+    seen = []
+    vectorised_call = interpreter_grids._vectorised_call
+
+    def seeing(*args):
+        seen.append(ops_now())
+        return vectorised_call(*args)
+
+    monkeypatch.setattr(interpreter_grids, "_vectorised_call", seeing)
+    assert ops_now() == shipped
+    run = _launch(_scaled_rows, (3,), torch.zeros(3, 8), torch.randn(3, 8), 0.5, D=8)
+    run(), run()  # the first launch checked against the shipped run, the second vectorised only
+    assert seen == [replacements, replacements]
+    assert ops_now() == shipped
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (tools/install_vllm_cpu.sh)")
 @pytest.mark.parametrize("lse_pack_dim", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
