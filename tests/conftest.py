@@ -6,12 +6,14 @@ file, so neither idles at the end. A worker's pools are started once per
 world size and serve every group it runs.
 
 ``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
-then every test file is a group of its own, handed out in the order of the
-command line (it lists the longest first), and each realistic GPU file is
-split by W (at W <= 2, where each rank's share of a case is largest, by DeepSeek
-model too), so that its parts run side by side (each part still builds its
-scenarios once, on one worker; the memory-heavy W = 4 and W = 8 parts stay
-one each); so are the two longest multi-W files (``SPREAD_BY_W``).
+then every test file is split by W, each part a group of its own, handed out
+in the order of the command line (it lists the longest first), so that one
+file's world sizes run side by side (each part still builds its scenarios
+once, on one worker). A realistic GPU file is split at W <= 2 (where each
+rank's share of a case is largest) by DeepSeek model too; its memory-heavy
+W = 4 and W = 8 parts stay one each. On one H200 a whole file as one group
+set the wall time (``--dcp-impl vllm``'s ``test_combine.py``, 172 s on one
+worker).
 
 The groups are chosen here, by path, in the scheduler: xdist 3.8's own
 ``loadgroup`` marks its groups in the legacy ``_nodeid``, which pytest 9.2
@@ -22,14 +24,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import pytest
 
 GPU_PREFIX = "tests/gpu/"
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
-# Spread, also split by W: on one H200 each of these took longer than any
-# other group (its pool restarts or its W = 8 traces), so it set the wall time.
-SPREAD_BY_W = ("tests/selftest/test_rank_failures.py", "tests/e2e/test_serving_trace.py")
 
 
 # Files handed out first, in this order: the longest on 2 CPU cores (their
@@ -58,14 +58,26 @@ def handed_out_first(group: str) -> int:
 def spread_group(nodeid: str) -> str:
     path = file_of(nodeid)
     world = re.search(r"\[W(\d+)", nodeid)
-    if path in SPREAD_BY_W and world:
-        return f"{path} W{world.group(1)}"
-    if not path.startswith(GPU_PREFIX):
+    if not world:
         return path
-    if world and int(world.group(1)) >= 4:
+    if not path.startswith(GPU_PREFIX) or int(world.group(1)) >= 4:
         return f"{path} W{world.group(1)}"
     model = re.search(r"-(v4\.\d)[-\]]", nodeid)
-    return f"{path} W{world.group(1) if world else ''} {model.group(1) if model else ''}".rstrip()
+    return f"{path} W{world.group(1)} {model.group(1) if model else ''}".rstrip()
+
+
+def world_of(group: str) -> int:
+    world = re.search(r" W(\d+)", group)
+    return int(world.group(1)) if world else 0
+
+
+def widest_of_the_first_file(queue) -> Callable[[str], tuple[int, int]]:
+    """Spread groups: the files in queue (command-line) order, and of a file's
+    parts the largest W first (its longest: W ranks on the same cores)."""
+    position: dict[str, int] = {}
+    for group in queue:
+        position.setdefault(group.split(" ")[0], len(position))
+    return lambda group: (position[group.split(" ")[0]], -world_of(group))
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
@@ -81,9 +93,10 @@ def pytest_xdist_make_scheduler(config, log):
             return spread_group(nodeid) if spread else file_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            if not spread:  # in place of xdist's order (by test count, unless --no-loadscope-reorder)
-                first = min(self.workqueue, key=handed_out_first)  # min: the earliest of equals
-                self.workqueue.move_to_end(first, last=False)
+            # In place of xdist's order (by test count, unless --no-loadscope-reorder).
+            key = widest_of_the_first_file(self.workqueue) if spread else handed_out_first
+            first = min(self.workqueue, key=key)  # min: the earliest of equals
+            self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
     return PathGroups(config, log)

@@ -112,6 +112,7 @@ LONGEST_FIRST = (
     "tests/gpu/test_stage1_realistic.py",
     "tests/selftest/test_torchrun_mode.py",
     "tests/stage3_combine/test_combine.py",
+    "tests/stage1_index/test_partition.py",
 )
 STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
 # Under torchrun the stage tests and the realistic ones (about as long, serial
