@@ -1,0 +1,31 @@
+"""The xdist groups of ``tests/conftest.py``: under gpu_ci's many workers
+(``DCPCHECK_XDIST_SPREAD=1``) a file's world sizes are groups of their own,
+the largest handed out first, so no whole multi-W file sets the wall time."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tests.conftest import spread_group, widest_of_the_first_file
+
+COMBINE = "tests/stage3_combine/test_combine.py"
+REALISTIC = "tests/gpu/test_stage3_realistic.py"
+
+
+def test_a_stage_file_is_a_group_per_world_size():
+    assert spread_group(f"{COMBINE}::test_combine_matches_oracle_merge[W8-ag_rs-2-fp32]") == f"{COMBINE} W8"
+    assert spread_group(f"{COMBINE}::test_combine_head_counts[W2-12]") == f"{COMBINE} W2"
+    assert spread_group(f"{COMBINE}::test_without_ranks") == COMBINE
+
+
+def test_a_realistic_file_is_split_by_model_where_a_rank_holds_most():
+    assert spread_group(f"{REALISTIC}::test_decode[W2-v4.1-2-bf16]") == f"{REALISTIC} W2 v4.1"
+    assert spread_group(f"{REALISTIC}::test_decode[W8-v4.1-2-bf16]") == f"{REALISTIC} W8"
+
+
+def test_the_first_files_widest_group_goes_first():
+    queue = OrderedDict.fromkeys(
+        [f"{COMBINE} W1", f"{COMBINE} W2", f"{COMBINE} W8", f"{REALISTIC} W8", COMBINE, f"{COMBINE} W4"]
+    )
+    order = sorted(queue, key=widest_of_the_first_file(queue))
+    assert order == [f"{COMBINE} W8", f"{COMBINE} W4", f"{COMBINE} W2", f"{COMBINE} W1", COMBINE, f"{REALISTIC} W8"]
