@@ -73,11 +73,19 @@ def world_of(group: str) -> int:
 
 def widest_of_the_first_file(queue) -> Callable[[str], tuple[int, int]]:
     """Spread groups: the files in queue (command-line) order, and of a file's
-    parts the largest W first (its longest: W ranks on the same cores)."""
+    parts the largest W first (its longest: W ranks on the same cores). A
+    realistic GPU file's parts keep their order (W ascending): handed out
+    widest first, its W = 8, 4 and 2 prefill parts started together and ran
+    an H100 out of memory."""
     position: dict[str, int] = {}
     for group in queue:
         position.setdefault(group.split(" ")[0], len(position))
-    return lambda group: (position[group.split(" ")[0]], -world_of(group))
+
+    def key(group: str) -> tuple[int, int]:
+        path = group.split(" ")[0]
+        return position[path], 0 if path.startswith(GPU_PREFIX) else -world_of(group)
+
+    return key
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist

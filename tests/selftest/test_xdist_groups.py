@@ -29,3 +29,9 @@ def test_the_first_files_widest_group_goes_first():
     )
     order = sorted(queue, key=widest_of_the_first_file(queue))
     assert order == [f"{COMBINE} W8", f"{COMBINE} W4", f"{COMBINE} W2", f"{COMBINE} W1", COMBINE, f"{REALISTIC} W8"]
+
+
+def test_a_realistic_files_parts_keep_their_order():
+    parts = [f"{REALISTIC} W2 v4.0", f"{REALISTIC} W4", f"{REALISTIC} W8"]
+    queue = OrderedDict.fromkeys(parts)
+    assert sorted(queue, key=widest_of_the_first_file(queue)) == parts
