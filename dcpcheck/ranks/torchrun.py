@@ -52,6 +52,7 @@ import torch.distributed as dist
 from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.case_state import CaseState
+from dcpcheck.ranks.gpu_wait import block_while_waiting
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.outcome_board import NO_DECISION, POLL_S, OutcomeBoard, RankReport
@@ -126,6 +127,7 @@ class InProcessRanks:
         self.startup_timeout = startup_timeout
         self.device = placement.device(int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda":
+            block_while_waiting(self.device.index)
             torch.cuda.set_device(self.device)
         if self.backend == "nccl":
             os.environ.setdefault(*NCCL_ERROR_HANDLING)

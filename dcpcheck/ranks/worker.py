@@ -54,7 +54,10 @@ def _init_cuda(device) -> float:
     """Create this rank's CUDA context on ``device``: -> the seconds it took."""
     import torch
 
+    from dcpcheck.ranks.gpu_wait import block_while_waiting
+
     started = time.perf_counter()
+    block_while_waiting(device.index)
     torch.cuda.set_device(device)
     torch.zeros(1, device=device)  # the context and the allocator exist from here on
     return time.perf_counter() - started
