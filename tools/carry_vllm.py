@@ -69,6 +69,9 @@ tar -xzf "$CARRY/vllm-src.tar.gz" -C "$DEST/site"
 rm -rf "$DEST/dsv41-tree" && mkdir -p "$DEST/dsv41-tree"
 cp -rs "$DEST/site/vllm" "$DEST/dsv41-tree/"
 tar -xzf "$CARRY/dsv41-tree.tar.gz" -C "$DEST/dsv41-tree" --unlink-first
+# The bytecode pip writes at install (--no-compile above), on every core: else the first sessions to import
+# vLLM compile it, each on one core. A file that does not compile fails its import as before.
+python3 -m compileall -q -j 0 "$DEST/site" "$DEST/dsv41-tree" >/dev/null || true
 echo "carry installed in $DEST in $((SECONDS - start)) s"
 """
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from dcpcheck.ranks.launcher import PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.messages import (
     CaseStarted,
+    ImplInitialisedCuda,
     RankExited,
     RankFailedToStart,
     RankHello,
@@ -46,6 +47,12 @@ STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
 STOP_WAIT_S = 10.0  # at most, for the ranks to leave their group and exit when asked to
 LOG_TAIL_LINES = 40
+
+
+class ImplInitialisesCuda(Exception):
+    """The zygote loaded the implementation before forking, and that
+    initialised CUDA's driver: its ranks must load it themselves, after their
+    fork (``preload_impl=False``)."""
 
 
 class RankGoneBeforeCase(Exception):
@@ -79,8 +86,10 @@ class RankPool:
         startup_timeout: float,
         collective_timeout: float,
         zygotes: ZygoteServers,
+        preload_impl: bool = True,
     ):
         self.placement = placement
+        self.preload_impl = preload_impl
         self.world_size = placement.world_size
         self.device = placement.device_type
         self.impl_spec = impl_spec
@@ -159,6 +168,7 @@ class RankPool:
             "--gpus", str(self.placement.gpus),
             "--impl", self.impl_spec,
             "--collective-timeout", str(self.collective_timeout),
+            "--preload-impl" if self.preload_impl else "--no-preload-impl",
         ]  # fmt: skip
         try:
             # In a process group of its own: the ranks it forks inherit it, so one killpg ends them all.
@@ -213,6 +223,8 @@ class RankPool:
                 phase,
                 [f"rank {rank} " + (describe_exit(code) if code is not None else "closed its connection")],
             )
+        if isinstance(message, ImplInitialisedCuda):
+            raise ImplInitialisesCuda(self.impl_spec)
         if isinstance(message, RankFailedToStart):
             self._startup_failed(started, phase, [f"rank {message.rank} failed while starting: {message.error}"])
         if not isinstance(message, expected):

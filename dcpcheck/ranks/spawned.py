@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
-from dcpcheck.ranks.pool import RankGoneBeforeCase, RankPool
+from dcpcheck.ranks.pool import ImplInitialisesCuda, RankGoneBeforeCase, RankPool
 from dcpcheck.ranks.zygote_server import ZygoteServerNotAnswering, ZygoteServers
 
 # What every zygote and its ranks import, imported once by the zygote server
@@ -39,6 +39,9 @@ class SpawnedRanks:
         # world size -> why its pool could not start: not tried again in this
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
+        # Zygotes load the implementation before forking the ranks, until one
+        # finds that this initialises CUDA (RankPool's ImplInitialisesCuda).
+        self.preload_impl = True
 
     def _live_pool(self, world_size: int) -> tuple[RankPool, bool]:
         """-> (the pool for ``world_size``, whether it was started now: it had
@@ -63,10 +66,16 @@ class SpawnedRanks:
             startup_timeout=self.startup_timeout,
             collective_timeout=self.collective_timeout,
             zygotes=self.zygotes,
+            preload_impl=self.preload_impl,
         )
         self.pools[world_size] = pool
         try:
             pool.start()
+        except ImplInitialisesCuda:
+            pool.kill()
+            del self.pools[world_size]
+            self.preload_impl = False
+            return self._live_pool(world_size)
         except LaunchError as exc:
             self.start_failures[world_size] = str(exc)
             pool.kill()

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.case_state import CaseState
-from dcpcheck.ranks.gpu_wait import block_while_waiting
+from dcpcheck.ranks.cuda_driver import block_while_waiting
 from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.outcome_board import NO_DECISION, POLL_S, OutcomeBoard, RankReport

@@ -54,7 +54,7 @@ def _init_cuda(device) -> float:
     """Create this rank's CUDA context on ``device``: -> the seconds it took."""
     import torch
 
-    from dcpcheck.ranks.gpu_wait import block_while_waiting
+    from dcpcheck.ranks.cuda_driver import block_while_waiting
 
     started = time.perf_counter()
     block_while_waiting(device.index)
@@ -122,17 +122,26 @@ def log_path(tmpdir: str, rank: int) -> str:
     return os.path.join(tmpdir, f"rank{rank}.log")
 
 
-def _preload(args) -> None:
-    """Import what every rank needs once, before forking (copy-on-write)."""
+def _preload(args) -> bool:
+    """Import what every rank needs once, before forking (copy-on-write): the
+    implementation too (vLLM's import is seconds of CPU per rank), unless
+    ``--no-preload-impl``. -> False where that initialised CUDA's driver: no
+    rank forked from this process could use its GPU."""
     import torch.distributed  # noqa: F401
 
-    if args.device == "cpu":  # on CUDA, nothing that could initialise the driver before fork
-        from dcpcheck.impls.registry import load_implementation
+    if not args.preload_impl:
+        return True
+    from dcpcheck.impls.registry import load_implementation
 
-        try:
-            load_implementation(args.impl)
-        except Exception:  # noqa: BLE001 - the rank reports it, with its traceback, on first use
-            pass
+    try:
+        load_implementation(args.impl)
+    except Exception:  # noqa: BLE001 - the rank reports it, with its traceback, on first use
+        pass
+    if args.device == "cpu":
+        return True
+    from dcpcheck.ranks.cuda_driver import driver_initialised
+
+    return not driver_initialised()
 
 
 def redirect_output(path: str) -> None:
@@ -159,8 +168,15 @@ def zygote_main(args) -> int:
     signal.signal(ORPHANED_GROUP_SIGNAL, _end_pool)
     die_with_parent(ORPHANED_SIGNAL, args.parent_pid)
     become_subreaper()
-    _preload(args)
+    forkable = _preload(args)
     conn = _connect(args.socket)
+    if not forkable:
+        conn.send(messages.ImplInitialisedCuda())
+        try:
+            conn.recv()  # alive until pytest has read it (an exit first would be a failed start) and kills the pool
+        except EOFError:
+            pass
+        return 0
     conn.send(messages.ZygoteHello(os.getpid()))
     ranks = {}
     for rank in range(args.world_size):
@@ -236,6 +252,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--impl", required=True)
     parser.add_argument("--collective-timeout", type=float, required=True)
+    parser.add_argument("--preload-impl", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     return zygote_main(parser.parse_args(argv))
 

@@ -1,11 +1,11 @@
 """Every rank waits for its GPU asleep in the driver, not spinning a core
-(``dcpcheck/ranks/gpu_wait.py`` says why): in the spawned pool and under torchrun."""
+(``dcpcheck.ranks.cuda_driver.py`` says why): in the spawned pool and under torchrun."""
 
 from __future__ import annotations
 
 import pytest
 
-from dcpcheck.ranks.gpu_wait import schedule
+from dcpcheck.ranks.cuda_driver import schedule
 
 pytestmark = pytest.mark.gpu
 
