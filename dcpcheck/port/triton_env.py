@@ -29,7 +29,9 @@ import sys
 def wants_interpreter() -> bool:
     import torch
 
-    return not torch.cuda.is_available()
+    # device_count asks NVML: a process that imported the port can still fork
+    # ranks that use the GPU (is_available initialises CUDA's driver).
+    return torch.cuda.device_count() == 0
 
 
 def ensure_triton_mode() -> None:

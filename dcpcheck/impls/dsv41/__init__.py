@@ -85,7 +85,6 @@ class Dsv41Implementation:
         if self.kv_cache_dtype != FP8_DS_MLA:  # dcpcheck's bf16 variant: plain rows, rounded as layer_dtype
             self.conventions = dataclasses.replace(self.conventions, kv_cache_format=None)
         index_topk()  # read from the tree's indexer now: a tree without it is a usage error at start
-        self.kernel = self.tree.kernel
         self._port_layers: dict[tuple, object] = {}
         self._topk_buffers: dict[torch.device, torch.Tensor] = {}
         self._layers_built = 0
@@ -134,7 +133,7 @@ class Dsv41Implementation:
         first = " | ".join(
             (
                 tree,
-                f"kernel: {self.kernel}",
+                f"kernel: {self.tree.kernel}",
                 f"compressed write side: {writer}",
                 f"SWA cache: {swa}",
                 f"prefill gather geometry: {self.findings.gather_geometry_cost}",

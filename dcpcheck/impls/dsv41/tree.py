@@ -167,7 +167,13 @@ class PortTree:
             self.flashinfer = FlashInferCore(pinned_sources())
         except (FlashInferSourcesError, FlashInferSourceError, SyntaxError) as exc:
             raise PortSpecError(f"FlashInfer's SM120 entry cannot stand in for the port's kernel call: {exc}") from exc
-        self.kernel = (
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel runs; asked when the header is written, not at load (the
+        reason reads the GPU's capability, which initialises CUDA: a zygote that
+        loaded the tree could no longer fork ranks that use the GPU)."""
+        return (
             f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
             f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
             f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: the reference"
