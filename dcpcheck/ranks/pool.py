@@ -86,7 +86,7 @@ class RankPool:
         startup_timeout: float,
         collective_timeout: float,
         zygotes: ZygoteServers,
-        preload_impl: bool = True,
+        preload_impl: bool,
     ):
         self.placement = placement
         self.preload_impl = preload_impl

@@ -1,5 +1,5 @@
 """Every rank waits for its GPU asleep in the driver, not spinning a core
-(``dcpcheck.ranks.cuda_driver.py`` says why): in the spawned pool and under torchrun."""
+(``dcpcheck/ranks/cuda_driver.py`` says why): in the spawned pool and under torchrun."""
 
 from __future__ import annotations
 
