@@ -394,7 +394,8 @@ def phase_totals(phases: dict[str, Phases]) -> str:
     return (
         f"phases, summed over every case: cases {seconds:.1f} s = pool start {totals['pool_start_s']:.1f} "
         f"(CUDA init {totals['cuda_init_s']:.1f}, group init {totals['group_init_s']:.1f}) "
-        f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}"
+        f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}; "
+        f"pool starts tried again for GPU memory: {totals['out_of_memory_retries']:.0f}"
     )
 
 
@@ -432,17 +433,18 @@ def render(
     lines += [
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
-        "and group init (the slowest rank of each start); checking = case seconds - pool start - compile.",
+        "and group init (the slowest rank of each start); checking = case seconds - pool start - compile; "
+        "OOM retries: pool starts that ran out of GPU memory and were tried again.",
         "",
-        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s | OOM retries |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for step in sorted(phases, key=lambda s: order.index(s) if s in order else 99):
         p = phases[step]
         t = p.totals
         lines.append(
             f"| {step} | {p.cases} | {p.seconds:.1f} | {t['pool_start_s']:.1f} | {t['cuda_init_s']:.1f} "
-            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} |"
+            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} | {t['out_of_memory_retries']:.0f} |"
         )
     # The longest modules bound a session's wall time (each runs on one xdist worker).
     modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)

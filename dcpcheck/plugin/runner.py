@@ -54,8 +54,9 @@ WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
 # JUnit property prefix of a case's peak GPU memory, in bytes, per GPU (dcp_gpu_peak_bytes:cuda:0).
 GPU_PEAK_PROPERTY = "dcp_gpu_peak_bytes:"
 # JUnit properties of where a case's time went, for tools/gpu_ci.py's breakdown:
-# the pool it started (RankPool.startup's keys) and the slowest rank's compiles.
-PHASE_PROPERTIES = ("pool_start_s", "cuda_init_s", "group_init_s", "compile_s")
+# the pool it started (RankPool.startup's keys) and the slowest rank's compiles;
+# and how often that start was tried again for want of device memory.
+PHASE_PROPERTIES = ("pool_start_s", "cuda_init_s", "group_init_s", "compile_s", "out_of_memory_retries")
 
 
 class DcpRunner:

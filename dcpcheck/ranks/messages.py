@@ -34,10 +34,13 @@ class RankHello:
 
 @dataclass(frozen=True)
 class RankFailedToStart:
-    """A rank's group set-up raised: its error, for the test's message."""
+    """A rank's group set-up raised: its error, for the test's message;
+    ``out_of_memory``: the error says its device had no memory left (CUDA's
+    context, NCCL's buffers), which the pool's owner may free and try again."""
 
     rank: int
     error: str
+    out_of_memory: bool = False
 
 
 @dataclass(frozen=True)

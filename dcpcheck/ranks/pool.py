@@ -55,6 +55,11 @@ class ImplInitialisesCuda(Exception):
     fork (``preload_impl=False``)."""
 
 
+class PoolOutOfMemory(LaunchError):
+    """A rank could not start for want of device memory (RankFailedToStart's
+    ``out_of_memory``): memory that other pools, or other processes, hold."""
+
+
 class RankGoneBeforeCase(Exception):
     """A rank's process ended before it started the case sent to it: it died
     between cases (while it waited for this task), so the case did not run
@@ -103,6 +108,7 @@ class RankPool:
         self.joining: dict[Connection, int] = {}  # during start-up: the ranks connected and not yet in their group
         self.exit_codes: dict[int, int] = {}
         self.tmpdir: Path | None = None
+        self.out_of_memory = False  # a rank failed to start for want of device memory
         # Where start() spent its time: pool_start_s (all of it), and the
         # slowest rank's cuda_init_s and group_init_s.
         self.startup: dict[str, float] = {}
@@ -226,6 +232,7 @@ class RankPool:
         if isinstance(message, ImplInitialisedCuda):
             raise ImplInitialisesCuda(self.impl_spec)
         if isinstance(message, RankFailedToStart):
+            self.out_of_memory |= message.out_of_memory
             self._startup_failed(started, phase, [f"rank {message.rank} failed while starting: {message.error}"])
         if not isinstance(message, expected):
             names = " or ".join(kind.__name__ for kind in expected)
@@ -272,6 +279,7 @@ class RankPool:
             while conn is not None and conn.poll(0):
                 message = conn.recv()
                 if isinstance(message, RankFailedToStart):
+                    self.out_of_memory |= message.out_of_memory
                     return f"rank {rank} failed while starting: {message.error} ({describe_exit(code)})"
         except (EOFError, OSError):
             pass
@@ -280,7 +288,7 @@ class RankPool:
     def _startup_failed(self, started: float, phase: str, what: list[str]):
         logs = [f"--- zygote log ---\n{_tail(self.tmpdir / 'zygote.log')}"]
         logs += [f"--- rank {r} log ---\n{_tail(self._log(r))}" for r in range(self.world_size)]
-        raise LaunchError(
+        raise (PoolOutOfMemory if self.out_of_memory else LaunchError)(
             f"could not start {self.world_size} ranks ({self.placement.describe()}; {phase} phase) "
             f"after {time.perf_counter() - started:.1f} s: " + "; ".join(what) + "\n" + "\n".join(logs)
         )

@@ -11,11 +11,13 @@ forked from.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
 
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
-from dcpcheck.ranks.pool import ImplInitialisesCuda, RankGoneBeforeCase, RankPool
+from dcpcheck.ranks.pool import ImplInitialisesCuda, PoolOutOfMemory, RankGoneBeforeCase, RankPool
 from dcpcheck.ranks.zygote_server import ZygoteServerNotAnswering, ZygoteServers
 
 # What every zygote and its ranks import, imported once by the zygote server
@@ -23,6 +25,7 @@ from dcpcheck.ranks.zygote_server import ZygoteServerNotAnswering, ZygoteServers
 # which the test module of every rank function imports. Nothing that could
 # initialise CUDA before a fork.
 ZYGOTE_PRELOAD = ["torch.distributed", "pytest"]
+OUT_OF_MEMORY_FIRST_WAIT_S = 1.0  # before the second try of a start that ran out of device memory
 
 
 class SpawnedRanks:
@@ -60,32 +63,60 @@ class SpawnedRanks:
                 f"not tried again: the pool of {world_size} ranks failed to start earlier in this session: "
                 + self.start_failures[world_size]
             )
-        pool = RankPool(
-            self.placement(world_size),
-            impl_spec=self.impl_spec,
-            startup_timeout=self.startup_timeout,
-            collective_timeout=self.collective_timeout,
-            zygotes=self.zygotes,
-            preload_impl=self.preload_impl,
-        )
-        self.pools[world_size] = pool
         try:
-            pool.start()
-        except ImplInitialisesCuda:
-            pool.kill()
-            del self.pools[world_size]
-            self.preload_impl = False
-            return self._live_pool(world_size)
+            return self._start_pool(world_size), True
         except LaunchError as exc:
             self.start_failures[world_size] = str(exc)
-            pool.kill()
-            del self.pools[world_size]
             raise
-        except BaseException:
-            pool.kill()
-            del self.pools[world_size]
-            raise
-        return pool, True
+
+    def _start_pool(self, world_size: int) -> RankPool:
+        """A started pool of ``world_size`` ranks. A start that ran out of
+        device memory ends this process's other pools (idle: one case runs at
+        a time), then is tried again after waits that double, within
+        --dcp-startup-timeout: memory that other sessions' ranks hold comes free
+        as their cases end."""
+        deadline = time.monotonic() + self.startup_timeout
+        waits = (OUT_OF_MEMORY_FIRST_WAIT_S * 2**attempt for attempt in itertools.count())
+        ended, tries = [], 0
+        while True:
+            pool = RankPool(
+                self.placement(world_size),
+                impl_spec=self.impl_spec,
+                startup_timeout=self.startup_timeout,
+                collective_timeout=self.collective_timeout,
+                zygotes=self.zygotes,
+                preload_impl=self.preload_impl,
+            )
+            self.pools[world_size] = pool
+            try:
+                pool.start()
+            except ImplInitialisesCuda:
+                self._discard(world_size)
+                self.preload_impl = False
+                continue
+            except PoolOutOfMemory as exc:
+                self._discard(world_size)
+                tries += 1
+                if self.pools:
+                    ended += sorted(self.pools)
+                    for other in list(self.pools):
+                        self._discard(other)
+                    continue
+                wait = next(waits)
+                if time.monotonic() + wait > deadline:
+                    freed = f", after ending this process's pools of W {ended}" if ended else ""
+                    raise PoolOutOfMemory(
+                        f"out of device memory at {tries} starts within --dcp-startup-timeout "
+                        f"{self.startup_timeout:g} s{freed}; the last: {exc}"
+                    ) from None
+                time.sleep(wait)
+                continue
+            except BaseException:
+                self._discard(world_size)
+                raise
+            if tries:
+                pool.startup["out_of_memory_retries"] = tries
+            return pool
 
     def decide_before_launch(self, case: Case, ask):
         return ask()  # the pytest process is the one place that asks

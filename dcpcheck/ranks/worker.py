@@ -63,6 +63,13 @@ def _init_cuda(device) -> float:
     return time.perf_counter() - started
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether a start-up error is a device out of memory: CUDA's own text for
+    cudaErrorMemoryAllocation (a context that could not be created), torch's
+    allocator's, NCCL's (its buffers)."""
+    return "out of memory" in str(exc).lower()
+
+
 def _init_group(args, startup: dict):
     """The rank's DcpGroup; ``startup`` gets the seconds of its CUDA and group set-up."""
     import torch
@@ -221,7 +228,7 @@ def rank_main(args, rank: int) -> int:
     except Exception as exc:
         from dcpcheck.ranks.rankfn import describe_exception
 
-        conn.send(messages.RankFailedToStart(rank, describe_exception(exc)))
+        conn.send(messages.RankFailedToStart(rank, describe_exception(exc), out_of_memory=_out_of_memory(exc)))
         raise
     conn.send(messages.RankReady(args.rank, os.getpid(), startup))
     while True:
