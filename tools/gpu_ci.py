@@ -120,15 +120,16 @@ STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefi
 TORCHRUN_STEPS = (Step("torchrun", STAGE_PATHS), Step("torchrun-gpu", ("tests/gpu",)))
 # The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
 # carries both to a GPU host); run only where vLLM imports. In a second wave,
-# after the pool and torchrun sessions, each with half the workers: every rank
-# process imports vLLM on CUDA, and beside the pool session 10 workers' pools
-# (about 150 ranks) ran one H200 out of memory at pool start.
+# after the pool and torchrun sessions (every rank process imports vLLM on
+# CUDA: beside the pool session 10 workers' pools, about 150 ranks, ran one
+# H200 out of memory at pool starts). dsv41 has the longest cases (its serving
+# traces run the tree's own stack): more of the workers.
 VLLM_SESSIONS = (
     Session(
         "vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.5, wave=1
     ),
     Session(
-        "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.5, wave=1
+        "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.8, wave=1
     ),
 )
 SESSIONS = (
