@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.selftest import session_probe
+from tests.selftest.warm_python import warm_python
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INNER_CONFTEST = 'pytest_plugins = ["dcpcheck.plugin"]\n'
 
@@ -66,14 +69,14 @@ def _default_sigint() -> None:
 
 
 def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
-    proc = start_inner_pytest(tmp_path, args, **env)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # a hung inner session must not outlive its test
-        output, _ = proc.communicate()
-        raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}") from None
-    return proc.returncode, output
+    """(exit code, output) of ``python -m pytest`` in ``tmp_path``, forked
+    from a warm interpreter (:mod:`tests.selftest.warm_python`)."""
+    code, output = warm_python(inner_env()).run_module(
+        "pytest", ["-p", "no:cacheprovider", "-q", "-rs", *args], cwd=tmp_path, env=inner_env(**env), timeout=timeout
+    )
+    if code is None:  # killed: a hung inner session must not outlive its test
+        raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}")
+    return code, output
 
 
 def run_sessions_in_one_interpreter(
@@ -86,10 +89,10 @@ def run_sessions_in_one_interpreter(
     (tmp_path / "cases.json").write_text(json.dumps([{"args": args, "env": env} for args, env in cases.values()]))
     env = inner_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])  # implementations by module name
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.selftest.session_probe", "cases.json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads(proc.stdout)
+    env[session_probe.RESULTS_ENV] = str(tmp_path / "results.json")
+    code, output = warm_python(inner_env()).run_module(
+        "tests.selftest.session_probe", ["cases.json"], cwd=tmp_path, env=env, timeout=timeout
+    )
+    assert code == 0, output
+    results = json.loads((tmp_path / "results.json").read_text())
     return {name: (result["code"], result["output"]) for name, result in zip(cases, results)}

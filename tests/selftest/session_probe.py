@@ -1,7 +1,8 @@
 """Many inner pytest sessions in one interpreter: ``python -m
 tests.selftest.session_probe CASES.json`` runs ``pytest.main`` (what the
 ``pytest`` command runs) once per case, with the case's environment, and
-prints every run's exit code and output as JSON. One interpreter start
+writes every run's exit code and output as JSON to the file named by
+``DCPCHECK_SESSION_PROBE_RESULTS``. One interpreter start
 instead of one per session, for the sessions that need no process of their
 own (usage errors, skips, gating)."""
 
@@ -14,6 +15,8 @@ import os
 import sys
 
 import pytest
+
+RESULTS_ENV = "DCPCHECK_SESSION_PROBE_RESULTS"  # the file the results are written to (JSON)
 
 
 def run_case(args: list[str], env: dict[str, str]) -> dict:
@@ -36,7 +39,8 @@ def main() -> int:
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
     results = [run_case(case["args"], case.get("env", {})) for case in cases]
-    sys.__stdout__.write(json.dumps(results))
+    with open(os.environ[RESULTS_ENV], "w") as fh:
+        json.dump(results, fh)
     return 0
 
 
