@@ -68,13 +68,19 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def run_python_module(tmp_path: Path, module: str, args: list[str], *, env: dict, timeout: float):
+    """(exit code, output: stdout and stderr) of ``python -m module args`` in
+    ``tmp_path`` with ``env``, forked from a warm interpreter
+    (:mod:`tests.selftest.warm_python`); exit code None when it did not end
+    within ``timeout`` s (it is killed: a hung inner session must not outlive its test)."""
+    return warm_python(inner_env()).run_module(module, args, cwd=tmp_path, env=env, timeout=timeout)
+
+
 def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:
-    """(exit code, output) of ``python -m pytest`` in ``tmp_path``, forked
-    from a warm interpreter (:mod:`tests.selftest.warm_python`)."""
-    code, output = warm_python(inner_env()).run_module(
-        "pytest", ["-p", "no:cacheprovider", "-q", "-rs", *args], cwd=tmp_path, env=inner_env(**env), timeout=timeout
+    code, output = run_python_module(
+        tmp_path, "pytest", ["-p", "no:cacheprovider", "-q", "-rs", *args], env=inner_env(**env), timeout=timeout
     )
-    if code is None:  # killed: a hung inner session must not outlive its test
+    if code is None:
         raise AssertionError(f"inner pytest did not end within {timeout:g} s:\n{output}")
     return code, output
 
@@ -90,9 +96,7 @@ def run_sessions_in_one_interpreter(
     env = inner_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])  # implementations by module name
     env[session_probe.RESULTS_ENV] = str(tmp_path / "results.json")
-    code, output = warm_python(inner_env()).run_module(
-        "tests.selftest.session_probe", ["cases.json"], cwd=tmp_path, env=env, timeout=timeout
-    )
+    code, output = run_python_module(tmp_path, "tests.selftest.session_probe", ["cases.json"], env=env, timeout=timeout)
     assert code == 0, output
     results = json.loads((tmp_path / "results.json").read_text())
     return {name: (result["code"], result["output"]) for name, result in zip(cases, results)}

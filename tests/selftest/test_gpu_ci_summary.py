@@ -8,13 +8,12 @@ a real pytest run so loaded."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.selftest.inner import REPO_ROOT, inner_env
+from tests.selftest.inner import REPO_ROOT, inner_env, run_python_module
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
@@ -45,14 +44,8 @@ def junit(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("known_defects")
     (folder / "test_known_defects.py").write_text(KNOWN_DEFECTS)
     xml = folder / "pool.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", gpu_ci.PLUGIN]
-    subprocess.run(
-        [*command, "--junitxml", str(xml), "test_known_defects.py"],
-        cwd=folder,
-        env=gpu_ci.with_plugin_path(inner_env()),
-        capture_output=True,
-        timeout=120,
-    )
+    args = ["-q", "-p", "no:cacheprovider", "-p", gpu_ci.PLUGIN, "--junitxml", str(xml), "test_known_defects.py"]
+    run_python_module(folder, "pytest", args, env=gpu_ci.with_plugin_path(inner_env()), timeout=120)
     return xml
 
 

@@ -5,15 +5,13 @@ and never the next test."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
-from tests.selftest.inner import default_placement, inner_env, write_session
+from tests.selftest.inner import default_placement, inner_env, run_python_module, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -119,17 +117,17 @@ def _outcomes(junit_path) -> dict[str, tuple[str, str, float]]:
 def torchrun_session(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("torchrun")
     write_session(tmp_path, {"test_torchrun.py": TORCHRUN_TESTS, "disagreeing.py": DISAGREEING_IMPL})
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+    launcher = [
+        "--nproc-per-node", "2", "--tee", "3",
         "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", "--dcp-timeout", str(CASE_TIMEOUT_S),
         "--dcp-impl", IMPL_SPEC,
         "--junitxml", str(tmp_path / "junit.xml"), "test_torchrun.py",
     ]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=120)
-    output = proc.stdout + proc.stderr
+    code, output = run_python_module(tmp_path, "torch.distributed.run", launcher, env=inner_env(), timeout=120)
+    assert code is not None, f"the torchrun job did not end within 120 s:\n{output}"
     assert (tmp_path / "junit.xml").exists(), output
-    return proc.returncode, output, _outcomes(tmp_path / "junit.xml"), time.perf_counter() - started
+    return code, output, _outcomes(tmp_path / "junit.xml"), time.perf_counter() - started
 
 
 def test_ranks_agree_and_only_rank_zero_reports(torchrun_session):

@@ -6,12 +6,11 @@ class crosses ranks as plain data; no rank aborts at exit after its report."""
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 
 import pytest
 
-from tests.selftest.inner import inner_env, write_session
+from tests.selftest.inner import inner_env, run_python_module, write_session
 
 pytestmark = pytest.mark.spawned_only
 
@@ -113,15 +112,13 @@ def _torchrun(tmp_path, pytest_args: list[str], *, rank_one_prefix: str = "", ra
     with ``rank_one_prefix`` (environment assignments) and ``rank_one_args``."""
     pytest_cmd = shlex.join([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfsx", *pytest_args])
     script = f'if [ "$RANK" = 1 ]; then exec env {rank_one_prefix} {pytest_cmd} {rank_one_args}; fi; exec {pytest_cmd}'
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
-           "--no-python", "sh", "-c", script]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the torchrun job did not end within {TORCHRUN_TIMEOUT_S} s:\n{exc.stdout}") from None
-    return proc.stdout + proc.stderr
+    launcher = ["--nproc-per-node", "2", "--tee", "3", "--no-python", "sh", "-c", script]
+    code, output = run_python_module(
+        tmp_path, "torch.distributed.run", launcher, env=inner_env(), timeout=TORCHRUN_TIMEOUT_S
+    )
+    if code is None:
+        raise AssertionError(f"the torchrun job did not end within {TORCHRUN_TIMEOUT_S} s:\n{output}")
+    return output
 
 
 def _root_cause(output: str) -> tuple[str, str] | None:
