@@ -5,9 +5,10 @@ session's start costs a fork, not an interpreter start and torch's import
 
 One server per pytest process (each xdist worker its own), started at the
 first run and ended with that process: the kernel kills it when its parent
-dies, and each run's process when the server dies. It imports nothing of
-dcpcheck (the inner session's pytest rewrites the plugin's asserts as it
-loads it) and no Triton (whose interpreter is chosen at import). A run is a
+dies, and each run's process when the server dies. Of dcpcheck it imports
+only the reaper, not the plugin (the inner session's pytest rewrites the
+plugin's asserts as it loads it), and no Triton (whose interpreter is chosen
+at import). A run is a
 fork in a process group of its own, given the session's directory,
 environment and ``sys.path`` as ``python -m`` from that directory would have
 them, its output written to a file. Sessions whose checks need a process
@@ -27,6 +28,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from dcpcheck.ranks.reaper import die_with_parent
 
 SERVER = Path(__file__)
 PRELOAD = ("torch", "pytest")
@@ -113,19 +116,10 @@ def warm_python(env: dict[str, str]) -> WarmPython:
 # ---- the server ---------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _run(request: dict) -> int:
     """In the forked child: ``python -m`` as the request asks; -> its exit code."""
     os.setpgid(0, 0)
-    _die_with_parent(os.getppid())
+    die_with_parent(signal.SIGKILL, os.getppid())
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -160,7 +154,7 @@ def _run(request: dict) -> int:
 
 
 def serve(parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(signal.SIGKILL, parent_pid)
     for module in PRELOAD:
         __import__(module)
     for line in sys.stdin:
