@@ -5,7 +5,7 @@ size) ends its process's idle pools and is tried again within
 --dcp-startup-timeout; memory that stays taken fails the case once, naming it
 (``dcpcheck/ranks/spawned.py``, ``SpawnedRanks._start_pool``).
 
-On CPU the implementation below stands in for the device: its
+The implementation below stands in for the device, on CPU on every host: its
 ``init_process_group`` raises CUDA's error text while the W = 1 pool's rank
 lives (memory an idle pool holds), and always at W = 4 (memory held elsewhere)."""
 
@@ -19,6 +19,10 @@ import pytest
 from tests.selftest.inner import run_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
+
+# Long enough for a pool's start on a host that runs several sessions at once
+# (3 s was not, under gpu_ci on one H100); the W = 4 case waits out most of it.
+STARTUP_TIMEOUT_S = 10
 
 MEMORY_HOLDING_IMPL = """
 import os
@@ -82,13 +86,14 @@ def test_a_start_out_of_memory_ends_idle_pools_and_is_tried_again_within_the_sta
     write_session(tmp_path, {"test_inner.py": TESTS, "holds_memory.py": MEMORY_HOLDING_IMPL})
     code, output = run_inner_pytest(
         tmp_path,
-        ["--dcp-impl", "holds_memory.py:HoldsMemory", "--world-sizes", "1,2,4", "--dcp-startup-timeout", "3",
+        ["--device", "cpu", "--dcp-impl", "holds_memory.py:HoldsMemory", "--world-sizes", "1,2,4",
+         "--dcp-startup-timeout", str(STARTUP_TIMEOUT_S),
          "-rf", "--junitxml", "junit.xml", "test_inner.py"],
     )  # fmt: skip
     assert code == 1 and "1 failed, 2 passed" in output, output
     assert re.search(
         r"_ test_memory_never_comes_free\[W4\] _.*\n.*\nout of device memory at \d+ starts within "
-        r"--dcp-startup-timeout 3 s, after ending this process's pools of W \[2\]; the last: could not start 4 ranks",
+        rf"--dcp-startup-timeout {STARTUP_TIMEOUT_S} s, after ending this process's pools of W \[2\]; the last: could not start 4 ranks",
         output,
     ), output
     retries = {
