@@ -18,13 +18,6 @@ class ZygoteHello:
 
 
 @dataclass(frozen=True)
-class ImplInitialisedCuda:
-    """The zygote's only message, instead of :class:`ZygoteHello`, when loading
-    the implementation before forking initialised CUDA's driver: ranks forked
-    from it could not use their GPU, so it forks none."""
-
-
-@dataclass(frozen=True)
 class RankHello:
     """A rank's first message, as soon as it connected: which rank it is."""
 

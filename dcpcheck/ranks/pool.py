@@ -27,7 +27,6 @@ from pathlib import Path
 from dcpcheck.ranks.launcher import PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.messages import (
     CaseStarted,
-    ImplInitialisedCuda,
     RankExited,
     RankFailedToStart,
     RankHello,
@@ -47,12 +46,6 @@ STACK_WAIT_S = 3.0  # at most, for stuck ranks to write their Python stacks
 EXIT_REPORT_WAIT_S = 2.0  # at most, for the zygote to report how a rank that hung up exited
 STOP_WAIT_S = 10.0  # at most, for the ranks to leave their group and exit when asked to
 LOG_TAIL_LINES = 40
-
-
-class ImplInitialisesCuda(Exception):
-    """The zygote loaded the implementation before forking, and that
-    initialised CUDA's driver: its ranks must load it themselves, after their
-    fork (``preload_impl=False``)."""
 
 
 class PoolOutOfMemory(LaunchError):
@@ -174,12 +167,17 @@ class RankPool:
             "--gpus", str(self.placement.gpus),
             "--impl", self.impl_spec,
             "--collective-timeout", str(self.collective_timeout),
-            "--preload-impl" if self.preload_impl else "--no-preload-impl",
         ]  # fmt: skip
         try:
             # In a process group of its own: the ranks it forks inherit it, so one killpg ends them all.
             try:
-                self.zygote = self.zygotes.fork(argv, environ=self._worker_env(), log=str(self.tmpdir / "zygote.log"))
+                self.zygote = self.zygotes.fork(
+                    argv,
+                    environ=self._worker_env(),
+                    log=str(self.tmpdir / "zygote.log"),
+                    impl=self.impl_spec if self.preload_impl else None,
+                    device=self.device,
+                )
             except ZygoteServerGone as exc:
                 self._startup_failed(started, "fork", [str(exc)])
             self._handshake(server, started)
@@ -229,8 +227,6 @@ class RankPool:
                 phase,
                 [f"rank {rank} " + (describe_exit(code) if code is not None else "closed its connection")],
             )
-        if isinstance(message, ImplInitialisedCuda):
-            raise ImplInitialisesCuda(self.impl_spec)
         if isinstance(message, RankFailedToStart):
             self.out_of_memory |= message.out_of_memory
             self._startup_failed(started, phase, [f"rank {message.rank} failed while starting: {message.error}"])

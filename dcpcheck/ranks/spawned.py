@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
-from dcpcheck.ranks.pool import ImplInitialisesCuda, PoolOutOfMemory, RankGoneBeforeCase, RankPool
-from dcpcheck.ranks.zygote_server import ZygoteServerNotAnswering, ZygoteServers
+from dcpcheck.ranks.pool import PoolOutOfMemory, RankGoneBeforeCase, RankPool
+from dcpcheck.ranks.zygote_server import ImplInitialisesCuda, ZygoteServerNotAnswering, ZygoteServers
 
 # What every zygote and its ranks import, imported once by the zygote server
-# they are forked from (dcpcheck/ranks/zygote_server.py): torch, and pytest,
-# which the test module of every rank function imports. Nothing that could
-# initialise CUDA before a fork.
+# they are forked from (dcpcheck/ranks/zygote_server.py), beside the
+# implementation: torch, and pytest, which the test module of every rank
+# function imports. Nothing that could initialise CUDA before a fork.
 ZYGOTE_PRELOAD = ["torch.distributed", "pytest"]
 OUT_OF_MEMORY_FIRST_WAIT_S = 1.0  # before the second try of a start that ran out of device memory
 
@@ -42,8 +42,8 @@ class SpawnedRanks:
         # world size -> why its pool could not start: not tried again in this
         # session (the same failure, the same wait, on every later test).
         self.start_failures: dict[int, str] = {}
-        # Zygotes load the implementation before forking the ranks, until one
-        # finds that this initialises CUDA (RankPool's ImplInitialisesCuda).
+        # Zygote servers load the implementation before forking, until one
+        # finds that this initialises CUDA (ImplInitialisesCuda).
         self.preload_impl = True
 
     def _live_pool(self, world_size: int) -> tuple[RankPool, bool]:

@@ -1,8 +1,8 @@
 """The processes of a spawned pool.
 
 :mod:`dcpcheck.ranks.pool` starts one *zygote* (``python -m
-dcpcheck.ranks.worker``), which imports torch and the implementation once and
-then forks the W ranks: each rank joins the process group once and runs the
+dcpcheck.ranks.worker``, forked from a server that imported torch and the
+implementation: :mod:`dcpcheck.ranks.zygote_server`), which forks the W ranks: each rank joins the process group once and runs the
 rank functions the pytest process sends it until told to stop. The zygote
 reports how each rank exited.
 
@@ -70,14 +70,26 @@ def _out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
+def _apply_thread_count() -> None:
+    """torch's threads from OMP_NUM_THREADS, which the pool sets per world
+    size (W ranks share the cores: oversubscription costs more than it
+    gives): the server this rank was forked from imported torch under the
+    value of the pool it started for."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def _init_group(args, startup: dict):
     """The rank's DcpGroup; ``startup`` gets the seconds of its CUDA and group set-up."""
-    import torch
     import torch.distributed as dist
 
     from dcpcheck.ranks.group import DcpGroup
     from dcpcheck.ranks.placement import Placement
 
+    _apply_thread_count()
     timeout = timedelta(seconds=args.collective_timeout)
     store = dist.FileStore(args.store, args.world_size)
     placement = Placement(args.device, args.world_size, args.gpus)
@@ -91,8 +103,6 @@ def _init_group(args, startup: dict):
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
-        if device.type == "cpu":
-            torch.set_num_threads(1)  # W ranks share few cores: oversubscription costs more than it gives
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout)
         cpu_group = dist.group.WORLD
     startup["group_init_s"] = time.perf_counter() - started
@@ -129,28 +139,6 @@ def log_path(tmpdir: str, rank: int) -> str:
     return os.path.join(tmpdir, f"rank{rank}.log")
 
 
-def _preload(args) -> bool:
-    """Import what every rank needs once, before forking (copy-on-write): the
-    implementation too (vLLM's import is seconds of CPU per rank), unless
-    ``--no-preload-impl``. -> False where that initialised CUDA's driver: no
-    rank forked from this process could use its GPU."""
-    import torch.distributed  # noqa: F401
-
-    if not args.preload_impl:
-        return True
-    from dcpcheck.impls.registry import load_implementation
-
-    try:
-        load_implementation(args.impl)
-    except Exception:  # noqa: BLE001 - the rank reports it, with its traceback, on first use
-        pass
-    if args.device == "cpu":
-        return True
-    from dcpcheck.ranks.cuda_driver import driver_initialised
-
-    return not driver_initialised()
-
-
 def redirect_output(path: str) -> None:
     """Stdout and stderr of this process to ``path``, from its start."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -175,15 +163,7 @@ def zygote_main(args) -> int:
     signal.signal(ORPHANED_GROUP_SIGNAL, _end_pool)
     die_with_parent(ORPHANED_SIGNAL, args.parent_pid)
     become_subreaper()
-    forkable = _preload(args)
     conn = _connect(args.socket)
-    if not forkable:
-        conn.send(messages.ImplInitialisedCuda())
-        try:
-            conn.recv()  # alive until pytest has read it (an exit first would be a failed start) and kills the pool
-        except EOFError:
-            pass
-        return 0
     conn.send(messages.ZygoteHello(os.getpid()))
     ranks = {}
     for rank in range(args.world_size):
@@ -259,7 +239,6 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--impl", required=True)
     parser.add_argument("--collective-timeout", type=float, required=True)
-    parser.add_argument("--preload-impl", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     return zygote_main(parser.parse_args(argv))
 

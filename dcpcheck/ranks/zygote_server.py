@@ -1,13 +1,18 @@
 """Pool zygotes forked from one process that imported torch once.
 
 A pool's zygote (:mod:`dcpcheck.ranks.worker`) used to be a fresh
-interpreter that imported torch before it forked its ranks: seconds of CPU
-for every pool, and a session starts many (every world size, and a fresh
+interpreter that imported torch and the implementation before it forked its
+ranks: seconds of CPU for every pool (vLLM's import alone is over ten on a
+busy GPU host), and a session starts many (every world size, and a fresh
 pool after each case that leaves one broken). Here one *server* per
-environment (``python -m dcpcheck.ranks.zygote_server``) imports torch once
-and forks each zygote on request; from there the zygote runs exactly as if
-it had been spawned (its own process group, its log, its ``sys.argv``, the
-environment and working directory of the request).
+environment and implementation (``python -m dcpcheck.ranks.zygote_server``)
+imports torch and loads the implementation once, and forks each zygote on
+request; from there the zygote runs exactly as if it had been spawned (its
+own process group, its log, its ``sys.argv``, the environment and working
+directory of the request). An implementation whose loading initialises
+CUDA's driver cannot be loaded there (no process forked after that can use
+a GPU): the server says so and exits (:class:`ImplInitialisesCuda`), and
+its ranks load it after their fork.
 
 The process tree stays bounded: the server gets the kernel's parent-death
 signal when pytest dies and its zygotes get theirs when the server dies
@@ -38,14 +43,19 @@ from dcpcheck.ranks.reaper import die_with_parent
 
 PARENT_DEATH_SIGNAL = signal.SIGTERM  # the server's default action: end at once, and its zygotes get theirs
 STOP_WAIT_S = 10.0  # at most, for a server to exit once its connection is closed
-# Set by pytest for each test phase; a zygote gets the current value, but a
-# change in it needs no new server.
-PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# Variables a zygote gets the request's value of, whose change needs no new
+# server: set by pytest for each test phase, and the threads of a world
+# size's ranks (each rank applies it itself: dcpcheck.ranks.worker).
+PER_ZYGOTE_VARIABLES = ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS")
 
 
 @dataclass(frozen=True)
 class ServerReady:
-    """The server's first message: it imported what every zygote needs."""
+    """The server's first message: it imported what every zygote needs, and
+    loaded the implementation if asked. ``impl_initialised_cuda``: loading it
+    initialised CUDA's driver, so the server forks nothing."""
+
+    impl_initialised_cuda: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,12 @@ class ZygoteServerGone(LaunchError):
 
 class ZygoteServerNotAnswering(ZygoteServerGone):
     """The server did not answer in time, so it was killed, and with it every zygote it forked."""
+
+
+class ImplInitialisesCuda(Exception):
+    """Loading the implementation in the server initialised CUDA's driver:
+    ranks forked from it could not use their GPU, so the server ended; its
+    ranks must load it themselves, after their fork (no ``impl`` to the server)."""
 
 
 # ---- the server ---------------------------------------------------------------
@@ -136,9 +152,29 @@ def _exit_code(pid: int, timeout: float, reaped: dict[int, int]) -> int | None:
     return reaped[pid]
 
 
-def serve(conn: Connection, preload: list[str]) -> int:
+def _load_impl(spec: str, device: str) -> bool:
+    """Load the implementation every rank runs: -> whether that initialised
+    CUDA's driver (only a CUDA pool's ranks are harmed by it). What it raises
+    is left to the ranks, which report it with its traceback on first use."""
+    from dcpcheck.impls.registry import load_implementation
+
+    try:
+        load_implementation(spec)
+    except Exception:  # noqa: BLE001 - each rank loads it again and reports the error
+        pass
+    if device == "cpu":
+        return False
+    from dcpcheck.ranks.cuda_driver import driver_initialised
+
+    return driver_initialised()
+
+
+def serve(conn: Connection, preload: list[str], impl: str | None, device: str) -> int:
     for module in preload:
         __import__(module)
+    if impl is not None and _load_impl(impl, device):
+        conn.send(ServerReady(impl_initialised_cuda=True))
+        return 0
     conn.send(ServerReady())
     reaped: dict[int, int] = {}
     while True:
@@ -157,27 +193,44 @@ def main(argv=None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="this end of the connection to pytest")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--preload", nargs="*", default=[], help="modules every zygote needs")
+    parser.add_argument("--impl", help="the implementation to load before forking (--dcp-impl's spec)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks run")
     args = parser.parse_args(argv)
     die_with_parent(PARENT_DEATH_SIGNAL, args.parent_pid)
-    return serve(Connection(args.fd), args.preload)
+    return serve(Connection(args.fd), args.preload, args.impl, args.device)
 
 
 # ---- pytest's side ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ServerKind:
+    """What a server is started with: its imports, and the implementation it
+    loads (None: each rank loads it) for ranks on ``device``."""
+
+    preload: tuple[str, ...]
+    impl: str | None
+    device: str
+
+    def command(self, fd: int) -> list[str]:
+        command = [
+            sys.executable, "-m", "dcpcheck.ranks.zygote_server", "--fd", str(fd),
+            "--parent-pid", str(os.getpid()), "--device", self.device, "--preload", *self.preload,
+        ]  # fmt: skip
+        return command if self.impl is None else [*command, "--impl", self.impl]
+
+
 class ZygoteServer:
     """One server process, started with ``environ``; ``startup_timeout``
-    bounds its start-up (its imports), ``answer_timeout`` (``--dcp-timeout``)
-    each answer, beyond what the request itself waits."""
+    bounds its start-up (its imports, the implementation's load),
+    ``answer_timeout`` (``--dcp-timeout``) each answer, beyond what the
+    request itself waits."""
 
-    def __init__(self, environ: dict[str, str], preload: list[str], startup_timeout: float, answer_timeout: float):
+    def __init__(self, environ: dict[str, str], kind: ServerKind, startup_timeout: float, answer_timeout: float):
         started = time.perf_counter()
         self.answer_timeout = answer_timeout
         ours, theirs = socket.socketpair()
-        command = [
-            sys.executable, "-m", "dcpcheck.ranks.zygote_server", "--fd", str(theirs.fileno()),
-            "--parent-pid", str(os.getpid()), "--preload", *preload,
-        ]  # fmt: skip
+        command = kind.command(theirs.fileno())
         # Its own process group, like the zygotes': a Ctrl-C reaches pytest, which ends its pools itself.
         self.process = subprocess.Popen(
             command, env=environ, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
@@ -196,12 +249,15 @@ class ZygoteServer:
                     f"{startup_timeout:g} s: {self.ending}"
                 )
         try:
-            self.conn.recv()
+            ready = self.conn.recv()
         except (EOFError, OSError):
             self.stop()
             raise ZygoteServerGone(
                 f"the zygote server ended while it started, after {time.perf_counter() - started:.1f} s: {self.ending}"
             ) from None
+        if ready.impl_initialised_cuda:
+            self.stop()
+            raise ImplInitialisesCuda(kind.impl)
 
     def _ask(self, request, waits: float = 0.0):
         """The answer to ``request``, which makes the server wait ``waits`` seconds."""
@@ -278,19 +334,26 @@ class ForkedZygote:
 
 
 class ZygoteServers:
-    """The session's servers, one per environment a pool asks for."""
+    """The session's servers, one per environment and :class:`ServerKind` a pool asks for."""
 
     def __init__(self, preload: list[str], startup_timeout: float, answer_timeout: float):
-        self.preload, self.startup_timeout, self.answer_timeout = preload, startup_timeout, answer_timeout
-        self.servers: dict[frozenset, ZygoteServer] = {}
+        self.preload, self.startup_timeout, self.answer_timeout = tuple(preload), startup_timeout, answer_timeout
+        self.servers: dict[tuple, ZygoteServer] = {}
 
-    def fork(self, argv: list[str], *, environ: dict[str, str], log: str) -> ForkedZygote:
-        key = frozenset((name, value) for name, value in environ.items() if name not in PER_TEST_VARIABLES)
+    def fork(
+        self, argv: list[str], *, environ: dict[str, str], log: str, impl: str | None, device: str
+    ) -> ForkedZygote:
+        """A zygote forked from the server of ``environ`` that loaded ``impl``
+        (None: none) for ranks on ``device``; :class:`ImplInitialisesCuda` where loading it initialises CUDA."""
+        kind = ServerKind(self.preload, impl, device)
+        key = (kind, frozenset((name, value) for name, value in environ.items() if name not in PER_ZYGOTE_VARIABLES))
         server = self.servers.get(key)
         if server is None or not server.alive:
             if server is not None:
                 server.stop()
-            server = self.servers[key] = ZygoteServer(environ, self.preload, self.startup_timeout, self.answer_timeout)
+            self.servers.pop(key, None)
+            server = ZygoteServer(environ, kind, self.startup_timeout, self.answer_timeout)
+            self.servers[key] = server
         return server.fork(argv, environ=environ, log=log)
 
     def stop(self) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dcpcheck.ranks.procstate import parent_pid
-from dcpcheck.ranks.zygote_server import ZygoteServer, ZygoteServerGone
+from dcpcheck.ranks.zygote_server import ServerKind, ZygoteServer, ZygoteServerGone
 from tests.selftest.hostile import kill_the_zygote_server
 from tests.selftest.inner import run_inner_pytest, write_session
 from tests.selftest.processes import alive, wait_until
@@ -82,7 +82,7 @@ def _server(tmp_path, module: str, source: str, startup_timeout: float = 60.0) -
     (tmp_path / f"{module}.py").write_text(source)
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     with pytest.raises(ZygoteServerGone) as gone:
-        ZygoteServer(environ, [module], startup_timeout, answer_timeout=60.0)
+        ZygoteServer(environ, ServerKind((module,), None, "cpu"), startup_timeout, answer_timeout=60.0)
     return str(gone.value)
 
 
