@@ -396,7 +396,8 @@ def phase_totals(phases: dict[str, Phases]) -> str:
         f"phases, summed over every case: cases {seconds:.1f} s = pool start {totals['pool_start_s']:.1f} "
         f"(CUDA init {totals['cuda_init_s']:.1f}, group init {totals['group_init_s']:.1f}) "
         f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}; "
-        f"pool starts tried again for GPU memory: {totals['out_of_memory_retries']:.0f}"
+        f"pool starts tried again for GPU memory: {totals['out_of_memory_retries']:.0f}; "
+        f"idle pools ended for GPU memory: {totals['idle_pools_ended']:.0f}"
     )
 
 
@@ -435,17 +436,20 @@ def render(
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
         "and group init (the slowest rank of each start); checking = case seconds - pool start - compile; "
-        "OOM retries: pool starts that ran out of GPU memory and were tried again.",
+        "OOM retries: pool starts that ran out of GPU memory and were tried again; pools ended: idle pools a "
+        "worker ended before a case, its GPU short of free memory.",
         "",
-        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s | OOM retries |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s | OOM retries "
+        "| pools ended |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for step in sorted(phases, key=lambda s: order.index(s) if s in order else 99):
         p = phases[step]
         t = p.totals
         lines.append(
             f"| {step} | {p.cases} | {p.seconds:.1f} | {t['pool_start_s']:.1f} | {t['cuda_init_s']:.1f} "
-            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} | {t['out_of_memory_retries']:.0f} |"
+            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} | {t['out_of_memory_retries']:.0f} "
+            f"| {t['idle_pools_ended']:.0f} |"
         )
     # The longest modules bound a session's wall time (each runs on one xdist worker).
     modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)

@@ -94,6 +94,13 @@ def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
     return None
 
 
+def gpu_gib_needed(item, placement) -> float:
+    """GiB a GPU must hold for the ranks of ``item`` placed there: its
+    ``gpu_memory`` marker's need and their CUDA contexts (0 unmarked)."""
+    memory = item.get_closest_marker("gpu_memory")
+    return (memory.args[0] + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu if memory else 0.0
+
+
 def memory_skip(gib_per_rank: float, placement, gpu_gib: float) -> str | None:
     """Why ranks needing ``gib_per_rank`` each do not fit on GPUs of ``gpu_gib``, else None."""
     need_gib = (gib_per_rank + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu

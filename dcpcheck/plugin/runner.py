@@ -14,7 +14,7 @@ from dcpcheck.case_terms import case_terms
 from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.plugin.impl_answers import AnswerError, plain_answer
 from dcpcheck.plugin.known_failures import BEHIND_KNOWN_DEFECT, behind_known_defect, declare
-from dcpcheck.plugin.markers import needed_capabilities, scenario_properties
+from dcpcheck.plugin.markers import gpu_gib_needed, needed_capabilities, scenario_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session, seed_for_test
 from dcpcheck.ranks.launcher import Case
 from dcpcheck.stages import stage_label
@@ -55,8 +55,16 @@ WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
 GPU_PEAK_PROPERTY = "dcp_gpu_peak_bytes:"
 # JUnit properties of where a case's time went, for tools/gpu_ci.py's breakdown:
 # the pool it started (RankPool.startup's keys) and the slowest rank's compiles;
-# and how often that start was tried again for want of device memory.
-PHASE_PROPERTIES = ("pool_start_s", "cuda_init_s", "group_init_s", "compile_s", "out_of_memory_retries")
+# how often that start was tried again for want of device memory;
+# and how many idle pools were ended first to free GPU memory for the case.
+PHASE_PROPERTIES = (
+    "pool_start_s",
+    "cuda_init_s",
+    "group_init_s",
+    "compile_s",
+    "out_of_memory_retries",
+    "idle_pools_ended",
+)
 
 
 class DcpRunner:
@@ -100,6 +108,7 @@ class DcpRunner:
                 case=params,
             ),
             header=self._header(),
+            gpu_gib_needed=gpu_gib_needed(self._node, self.session.placement(self.world_size)),
         )
 
     def run(self, fn, *, timeout: float | None = None, **params) -> list:

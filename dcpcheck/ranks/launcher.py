@@ -40,6 +40,8 @@ class Case:
     params: dict[str, Any]  # the rank function's keyword arguments
     terms: CaseTerms  # the case in the contract's terms, as the implementation was asked about it
     header: dict[str, Any]  # what every failure message of the case opens with (stage, W, device, ...)
+    # GiB each GPU of the case must have free: its gpu_memory marker's need (0: unmarked).
+    gpu_gib_needed: float = 0.0
     cures: tuple[str, ...] = ()  # the known defects' causes the implementation neutralises in this run
     # A run that only has to show its known defect, whose cured run checks the rest: a long check may end at
     # its first failure.
@@ -64,7 +66,8 @@ class CaseResult:
     # Set when no later case can run on these ranks (torchrun: a rank is gone
     # or wedged): the session stops after this test, saying why.
     stop_session: str | None = None
-    # The start-up of the pool this case had to start first (RankPool.startup), else empty.
+    # The start-up of the pool this case had to start first (RankPool.startup), and how many idle pools were
+    # ended first to free GPU memory for it (idle_pools_ended); else empty.
     pool_startup: dict = field(default_factory=dict)
 
     @property

@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+from dcpcheck.ranks.gpu_free import GpuMemory, gpu_memory
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import PoolOutOfMemory, RankGoneBeforeCase, RankPool
@@ -26,13 +27,24 @@ from dcpcheck.ranks.zygote_server import ImplInitialisesCuda, ZygoteServerNotAns
 # function imports. Nothing that could initialise CUDA before a fork.
 ZYGOTE_PRELOAD = ["torch.distributed", "pytest"]
 OUT_OF_MEMORY_FIRST_WAIT_S = 1.0  # before the second try of a start that ran out of device memory
+# Below this share of a GPU free (or the case's need, where more), a case ends
+# its process's idle pools first: each rank holds a CUDA context, a process
+# keeps a pool per world size, and several sessions' workers share the GPU.
+LOW_FREE_GPU_SHARE = 0.25
 
 
 class SpawnedRanks:
     def __init__(
-        self, placement: Callable[[int], Placement], *, impl_spec: str, case_timeout: float, startup_timeout: float
+        self,
+        placement: Callable[[int], Placement],
+        *,
+        impl_spec: str,
+        case_timeout: float,
+        startup_timeout: float,
+        gpu_memory: Callable[[int], GpuMemory | None] = gpu_memory,
     ):
         self.placement = placement  # world size -> where its ranks run
+        self.gpu_memory = gpu_memory  # CUDA index -> its total and free memory now (None: unknown)
         self.impl_spec = impl_spec
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
@@ -121,14 +133,36 @@ class SpawnedRanks:
     def decide_before_launch(self, case: Case, ask):
         return ask()  # the pytest process is the one place that asks
 
+    def _end_idle_pools_if_gpu_short(self, case: Case) -> int:
+        """End this process's pools of other world sizes (idle: one case runs
+        at a time) where a GPU the case runs on has less free than
+        LOW_FREE_GPU_SHARE of it or than the case's ``gpu_gib_needed``: -> how many were ended."""
+        placement = self.placement(case.world_size)
+        idle = [size for size in self.pools if size != case.world_size]
+        if placement.device_type != "cuda" or not idle:
+            return 0
+        for index in range(placement.gpus_used):
+            memory = self.gpu_memory(index)
+            if memory is None:
+                continue
+            floor = max(LOW_FREE_GPU_SHARE * memory.total_bytes, case.gpu_gib_needed * 2**30)
+            if memory.free_bytes < floor:
+                for size in idle:
+                    self._discard(size)
+                return len(idle)
+        return 0
+
     def run(self, fn, case: Case) -> CaseResult:
         world_size = case.world_size
+        ended = self._end_idle_pools_if_gpu_short(case)
         for attempt in (1, 2):
             pool, started = self._live_pool(world_size)
             try:
                 result = pool.run(fn, case)
                 if started:
                     result.pool_startup = dict(pool.startup)
+                if ended:
+                    result.pool_startup["idle_pools_ended"] = ended
             except RankGoneBeforeCase as gone:
                 # It died between cases: the case never ran there. Once more on a fresh pool.
                 self._discard(world_size)

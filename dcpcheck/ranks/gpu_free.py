@@ -1,0 +1,67 @@
+"""How much memory the GPUs hold free right now, asked of NVML
+(``libnvidia-ml.so.1``) directly: no CUDA context in the pytest process, and
+it sees what every process on the host holds (other xdist workers' ranks,
+other sessions'), which torch's allocator statistics cannot.
+
+A CUDA device index is the one the ranks see, so it is mapped through
+``CUDA_VISIBLE_DEVICES`` to NVML's; an entry NVML cannot be asked about (a
+MIG instance, a UUID prefix) gives no answer rather than another GPU's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+NVML_SUCCESS = 0
+
+
+class _NvmlMemory(ctypes.Structure):  # nvml.h, nvmlMemory_t
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    total_bytes: int
+    free_bytes: int
+
+
+def _nvml():
+    """NVML, initialised (nvmlInit is counted, and cheap once done); None where it cannot be loaded or started."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    return nvml if nvml.nvmlInit_v2() == NVML_SUCCESS else None
+
+
+def _handle(nvml, cuda_index: int):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    handle = ctypes.c_void_p()
+    if visible is None:
+        code = nvml.nvmlDeviceGetHandleByIndex_v2(cuda_index, ctypes.byref(handle))
+    else:
+        entries = [entry.strip() for entry in visible.split(",")]
+        if cuda_index >= len(entries):
+            return None
+        entry = entries[cuda_index]
+        if entry.isdigit():
+            code = nvml.nvmlDeviceGetHandleByIndex_v2(int(entry), ctypes.byref(handle))
+        elif entry.startswith("GPU-"):
+            code = nvml.nvmlDeviceGetHandleByUUID(entry.encode(), ctypes.byref(handle))
+        else:
+            return None
+    return handle if code == NVML_SUCCESS else None
+
+
+def gpu_memory(cuda_index: int) -> GpuMemory | None:
+    """Total and free memory of CUDA device ``cuda_index``; None where NVML cannot say."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    handle = _handle(nvml, cuda_index)
+    memory = _NvmlMemory()
+    if handle is None or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != NVML_SUCCESS:
+        return None
+    return GpuMemory(total_bytes=memory.total, free_bytes=memory.free)
