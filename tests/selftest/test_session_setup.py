@@ -97,7 +97,7 @@ import sys
 
 import torch.distributed as dist
 
-if any("dcpcheck/ranks/worker" in arg for arg in sys.argv):  # in the pool's zygote only
+if "dcpcheck/ranks/" in sys.argv[0]:  # in the pool's processes only (its zygote server, or a rank)
 
     def refuse(*args, **kwargs):
         raise RuntimeError("planted: no process group today")
@@ -331,8 +331,14 @@ import os
 import sys
 import time
 
-if any("dcpcheck/ranks/worker" in arg for arg in sys.argv):  # in the pool's zygote only
-    os.register_at_fork(after_in_child=lambda: os._exit(9))  # every rank dies as it starts
+
+def _die_if_a_rank():
+    if "dcpcheck/ranks/worker" in sys.argv[0]:  # forked by the pool's zygote: a rank
+        os._exit(9)
+
+
+if "dcpcheck/ranks/" in sys.argv[0]:  # in the pool's processes only (its zygote server, or a rank)
+    os.register_at_fork(after_in_child=_die_if_a_rank)  # every rank dies as it starts
 
 
 class BrokenAtFork:
@@ -367,7 +373,6 @@ def test_hung_question_and_dying_pool_fail_fast(tmp_path):
     started = time.perf_counter()
     code, output = run_inner_pytest(
         tmp_path,
-        # CPU: only there does the zygote import the implementation before it forks the ranks.
         [
             "--device",
             "cpu",
