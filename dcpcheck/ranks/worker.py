@@ -63,11 +63,18 @@ def _init_cuda(device) -> float:
     return time.perf_counter() - started
 
 
+# What a start-up error says where the device had no memory left: CUDA's own
+# text for cudaErrorMemoryAllocation (a context that could not be created) and
+# torch's allocator's; NCCL's, where its buffers' cudaMallocAsync failed at
+# communicator init ("unhandled cuda error ... Failed to CUDA calloc async 608
+# bytes", NCCL 2.28 on a full H100).
+OUT_OF_MEMORY_TEXTS = ("out of memory", "failed to cuda calloc", "failed to cuda malloc")
+
+
 def _out_of_memory(exc: BaseException) -> bool:
-    """Whether a start-up error is a device out of memory: CUDA's own text for
-    cudaErrorMemoryAllocation (a context that could not be created), torch's
-    allocator's, NCCL's (its buffers)."""
-    return "out of memory" in str(exc).lower()
+    """Whether a start-up error is a device out of memory (OUT_OF_MEMORY_TEXTS)."""
+    text = str(exc).lower()
+    return any(phrase in text for phrase in OUT_OF_MEMORY_TEXTS)
 
 
 def _apply_thread_count() -> None:

@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from dcpcheck.ranks.worker import _out_of_memory
 from tests.selftest.inner import run_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
@@ -103,3 +104,23 @@ def test_a_start_out_of_memory_ends_idle_pools_and_is_tried_again_within_the_sta
         if prop.get("name") == "dcp_out_of_memory_retries"
     }
     assert retries == {"test_starts_once_the_idle_pool_is_ended[W2]": "1"}, retries
+
+
+@pytest.mark.parametrize(
+    ("error", "out_of_memory"),
+    [
+        ("CUDA error: out of memory", True),
+        ("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 79.18 GiB", True),
+        (
+            "NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "
+            "NCCL version 2.28.9\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+            "Last error:\nFailed to CUDA calloc async 608 bytes",
+            True,
+        ),
+        ("NCCL error: unhandled system error, remote process exited or there was a network error", False),
+        ("CUDA error: an illegal memory access was encountered", False),
+    ],
+    ids=["CUDA context", "torch's allocator", "NCCL's buffers", "NCCL other", "CUDA other"],
+)
+def test_a_start_up_error_is_out_of_memory_by_its_text(error, out_of_memory):
+    assert _out_of_memory(RuntimeError(error)) is out_of_memory
