@@ -2,9 +2,10 @@
 
 :mod:`dcpcheck.ranks.pool` starts one *zygote* (``python -m
 dcpcheck.ranks.worker``, forked from a server that imported torch and the
-implementation: :mod:`dcpcheck.ranks.zygote_server`), which forks the W ranks: each rank joins the process group once and runs the
-rank functions the pytest process sends it until told to stop. The zygote
-reports how each rank exited.
+implementation: :mod:`dcpcheck.ranks.zygote_server`), which forks the W
+ranks: each rank joins the process group once and runs the rank functions
+the pytest process sends it until told to stop. The zygote reports how each
+rank exited.
 
 Nothing outlives a session (:mod:`dcpcheck.ranks.reaper`): the kernel sends
 the zygote SIGTERM when pytest dies, and the zygote then kills its whole tree
