@@ -94,16 +94,21 @@ def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
     return None
 
 
+def _gib_per_gpu(gib_per_rank: float, placement) -> float:
+    """GiB the busiest GPU holds for ranks needing ``gib_per_rank`` each, their CUDA contexts included."""
+    return (gib_per_rank + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu
+
+
 def gpu_gib_needed(item, placement) -> float:
     """GiB a GPU must hold for the ranks of ``item`` placed there: its
     ``gpu_memory`` marker's need and their CUDA contexts (0 unmarked)."""
     memory = item.get_closest_marker("gpu_memory")
-    return (memory.args[0] + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu if memory else 0.0
+    return _gib_per_gpu(memory.args[0], placement) if memory else 0.0
 
 
 def memory_skip(gib_per_rank: float, placement, gpu_gib: float) -> str | None:
     """Why ranks needing ``gib_per_rank`` each do not fit on GPUs of ``gpu_gib``, else None."""
-    need_gib = (gib_per_rank + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu
+    need_gib = _gib_per_gpu(gib_per_rank, placement)
     if need_gib <= GPU_MEMORY_USABLE * gpu_gib:
         return None
     return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from functools import cache
 
 NVML_SUCCESS = 0
 
@@ -27,8 +28,9 @@ class GpuMemory:
     free_bytes: int
 
 
+@cache
 def _nvml():
-    """NVML, initialised (nvmlInit is counted, and cheap once done); None where it cannot be loaded or started."""
+    """NVML, initialised once per process (asked before every case on CUDA); None where it cannot be loaded or started."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:

@@ -110,9 +110,7 @@ class SpawnedRanks:
                 self._discard(world_size)
                 tries += 1
                 if self.pools:
-                    ended += sorted(self.pools)
-                    for other in list(self.pools):
-                        self._discard(other)
+                    ended += self._end_idle_pools(keep=None)
                     continue
                 wait = next(waits)
                 if time.monotonic() + wait > deadline:
@@ -138,8 +136,7 @@ class SpawnedRanks:
         at a time) where a GPU the case runs on has less free than
         LOW_FREE_GPU_SHARE of it or than the case's ``gpu_gib_needed``: -> how many were ended."""
         placement = self.placement(case.world_size)
-        idle = [size for size in self.pools if size != case.world_size]
-        if placement.device_type != "cuda" or not idle:
+        if placement.device_type != "cuda" or not set(self.pools) - {case.world_size}:
             return 0
         for index in range(placement.gpus_used):
             memory = self.gpu_memory(index)
@@ -147,10 +144,15 @@ class SpawnedRanks:
                 continue
             floor = max(LOW_FREE_GPU_SHARE * memory.total_bytes, case.gpu_gib_needed * 2**30)
             if memory.free_bytes < floor:
-                for size in idle:
-                    self._discard(size)
-                return len(idle)
+                return len(self._end_idle_pools(keep=case.world_size))
         return 0
+
+    def _end_idle_pools(self, keep: int | None) -> list[int]:
+        """End every pool but ``keep``'s (idle: one case runs at a time): -> their world sizes."""
+        ended = sorted(size for size in self.pools if size != keep)
+        for size in ended:
+            self._discard(size)
+        return ended
 
     def run(self, fn, case: Case) -> CaseResult:
         world_size = case.world_size
