@@ -28,6 +28,14 @@ cast, splat, load and store) from a table kept per Triton type: as shipped it
 builds its whole 18-entry table at each call. Each answer is the shipped
 function's own, asked once per type.
 
+Block types are kept too, one per element type and shape
+(:class:`BlockTypes`): as shipped, every op's result builds a new
+``tl.block_type`` (its shape validated, its name formatted) and a
+``tl.tensor`` whose shape is rebuilt as a tuple of ``tl.constexpr``, a
+quarter of a small kernel's launch. The interpreter's builder
+(``InterpreterBuilder.get_block_ty``) and ``block_type.with_element_ty`` answer
+from the table, and a tensor of a kept type takes its shape and numel from it.
+
 Only the Triton versions named in ``PATCHED_VERSIONS`` are patched, those whose
 interpreter was read for this; under any other the interpreter runs as shipped.
 """
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import sys
 import threading
@@ -56,12 +65,83 @@ class _NothingToRestore:
 _NOTHING_TO_RESTORE = _NothingToRestore()
 
 
+class BlockTypes:
+    """``tl.block_type`` objects kept per (element type, shape), each with the
+    shape and numel a ``tl.tensor`` of it holds, built as shipped once. A shape
+    of anything but ints and ``tl.constexpr``, or an element type that cannot
+    be a key, gets a type built as shipped, not kept."""
+
+    def __init__(self):
+        self.table: dict = {}
+
+    def of(self, element_ty, shape):
+        import triton.language as tl
+
+        dims = tuple(dim.value if isinstance(dim, tl.constexpr) else dim for dim in shape)
+        if not all(type(dim) is int for dim in dims):
+            return tl.block_type(element_ty, shape)
+        try:
+            key = (_type_key(element_ty), dims)
+            kept = self.table.get(key)
+        except TypeError:  # unhashable: a type the key does not know
+            return tl.block_type(element_ty, shape)
+        if kept is None:
+            kept = tl.block_type(element_ty, list(dims))  # raises as shipped for a bad shape: nothing kept
+            kept._dcpcheck_tensor_shape = tuple(tl.constexpr(dim) for dim in kept.shape)
+            kept._dcpcheck_numel = tl.constexpr(math.prod(kept.shape))
+            self.table[key] = kept
+        return kept
+
+    def replacements(self, shipped_tensor_init: Callable) -> dict[str, Callable]:
+        """``get_block_ty``, ``with_element_ty`` and ``tensor.__init__`` answering from the table."""
+
+        def get_block_ty(builder, dtype, shape):
+            return self.of(dtype, shape)
+
+        def with_element_ty(block_ty, scalar_ty):
+            return self.of(scalar_ty, block_ty.shape)
+
+        def tensor_init(tensor, handle, type):
+            shape = getattr(type, "_dcpcheck_tensor_shape", None)
+            if shape is None:  # not a kept block type
+                shipped_tensor_init(tensor, handle, type)
+                return
+            tensor.handle, tensor.type, tensor.dtype = handle, type, type.element_ty
+            tensor.numel, tensor.shape = type._dcpcheck_numel, shape
+
+        return {"get_block_ty": get_block_ty, "with_element_ty": with_element_ty, "tensor_init": tensor_init}
+
+
+def _type_key(ty):
+    """A hashable key equal for equal Triton types: a pointer type (unhashable) by its fields."""
+    import triton.language as tl
+
+    if isinstance(ty, tl.pointer_type):
+        return ("pointer", _type_key(ty.element_ty), ty.address_space, ty.const)
+    hash(ty)
+    return ty
+
+
+def _block_type_owners() -> dict[str, tuple[object, str]]:
+    """Where each of :meth:`BlockTypes.replacements` is installed: (owner, attribute)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    return {
+        "get_block_ty": (interpreter.InterpreterBuilder, "get_block_ty"),
+        "with_element_ty": (tl.core.block_type, "with_element_ty"),
+        "tensor_init": (tl.core.tensor, "__init__"),
+    }
+
+
 @dataclass
 class Shortcut:
     """What :func:`patch_language_once_per_process` replaced, and the patch it keeps."""
 
     patch_lang: Callable  # triton.runtime.interpreter._patch_lang as shipped
     get_np_dtype: Callable  # triton.runtime.interpreter._get_np_dtype as shipped
+    # (owner, attribute) -> (as shipped, the shortcut's): the block-type table's entry points
+    block_type_entries: dict = field(default_factory=dict, repr=False)
     kept: object | None = None  # the process's patch (Triton's _LangPatchScope) once a launch made it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     seen: set = field(default_factory=set, repr=False)  # functions found to see triton.language
@@ -98,11 +178,15 @@ class Shortcut:
             unpatched = [(obj, dict(vars(obj))) for obj in targets]
             installed = interpreter._patch_lang, interpreter._get_np_dtype
             interpreter._patch_lang, interpreter._get_np_dtype = self.patch_lang, self.get_np_dtype
+            for (owner, name), (shipped, _) in self.block_type_entries.items():
+                setattr(owner, name, shipped)
         try:
             yield
         finally:
             with self.lock:
                 interpreter._patch_lang, interpreter._get_np_dtype = installed
+                for (owner, name), (_, ours) in self.block_type_entries.items():
+                    setattr(owner, name, ours)
                 for obj, attributes in unpatched:
                     for name in vars(obj).keys() - attributes.keys():
                         delattr(obj, name)
@@ -177,5 +261,11 @@ def patch_language_once_per_process() -> Shortcut | None:
 
     interpreter._patch_lang = keep_lang_patched
     interpreter._get_np_dtype = _np_dtype_per_type(shortcut.get_np_dtype)
+    owners = _block_type_owners()
+    shipped_tensor_init = getattr(*owners["tensor_init"])
+    for entry, ours in BlockTypes().replacements(shipped_tensor_init).items():
+        owner, name = owners[entry]
+        shortcut.block_type_entries[owner, name] = (getattr(owner, name), ours)
+        setattr(owner, name, ours)
     interpreter._dcpcheck_shortcut = shortcut
     return shortcut

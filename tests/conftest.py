@@ -37,13 +37,18 @@ SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
 # most tests first).
 LONGEST_FILES = (
     "tests/e2e/test_serving_trace.py",
-    "tests/selftest/test_rank_failures.py",
     "tests/selftest/test_session_end.py",
+    "tests/selftest/test_torchrun_ranks_agree.py",
+    "tests/selftest/test_rank_failures.py",
     "tests/selftest/test_no_orphans.py",
-    "tests/selftest/test_session_setup.py",
-    "tests/stage9_prefill/test_prefill_attention.py",
+    "tests/selftest/test_zygote_server.py",
     "tests/selftest/test_torchrun_mode.py",
+    "tests/selftest/test_session_setup.py",
+    "tests/stage1_index/test_partition.py",
+    "tests/selftest/test_pool_out_of_memory.py",
+    "tests/stage9_prefill/test_prefill_attention.py",
     "tests/stage3_combine/test_combine.py",
+    "tests/stage3_combine/test_sharded_attention.py",
 )
 
 

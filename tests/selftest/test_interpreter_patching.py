@@ -112,3 +112,19 @@ def test_np_dtypes_are_the_shipped_answers(shortcut):
         assert interpreter._get_np_dtype(ty) == shortcut.get_np_dtype(ty), f"{ty}"
     with shortcut.shipped():
         assert interpreter._get_np_dtype is shortcut.get_np_dtype
+
+
+def test_block_types_are_kept_per_element_type_and_shape(shortcut):
+    """One block type per (element type, shape), pointers too, equal to the one
+    built as shipped; a tensor of it has the shipped tensor's shape and numel;
+    ``shipped()`` builds a new type at every call again."""
+    block = tl.block_type(tl.float32, [4, 2])
+    for element in (tl.int32, tl.pointer_type(tl.bfloat16)):
+        kept = block.with_element_ty(element)
+        assert kept is block.with_element_ty(element) and kept == tl.block_type(element, [4, 2]), element
+        ours, shipped = tl.tensor(None, kept), tl.tensor(None, tl.block_type(element, [4, 2]))
+        assert (ours.shape, ours.numel, ours.dtype) == (shipped.shape, shipped.numel, shipped.dtype), element
+        assert all(isinstance(dim, tl.constexpr) for dim in ours.shape)
+    with shortcut.shipped():
+        assert block.with_element_ty(tl.int32) is not block.with_element_ty(tl.int32)
+    assert block.with_element_ty(tl.int32) is block.with_element_ty(tl.int32), "shipped() left the table unused"
