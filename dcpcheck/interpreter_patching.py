@@ -101,13 +101,19 @@ class BlockTypes:
         def with_element_ty(block_ty, scalar_ty):
             return self.of(scalar_ty, block_ty.shape)
 
+        import triton.language as tl
+
+        scalar_numel = tl.constexpr(1)
+
         def tensor_init(tensor, handle, type):
             shape = getattr(type, "_dcpcheck_tensor_shape", None)
-            if shape is None:  # not a kept block type
+            if shape is not None:
+                tensor.handle, tensor.type, tensor.dtype = handle, type, type.element_ty
+                tensor.numel, tensor.shape = type._dcpcheck_numel, shape
+            elif isinstance(type, tl.dtype) and not type.is_block():  # a scalar: its own scalar type
+                tensor.handle, tensor.type, tensor.dtype, tensor.numel, tensor.shape = handle, type, type, scalar_numel, ()
+            else:  # a block type built elsewhere
                 shipped_tensor_init(tensor, handle, type)
-                return
-            tensor.handle, tensor.type, tensor.dtype = handle, type, type.element_ty
-            tensor.numel, tensor.shape = type._dcpcheck_numel, shape
 
         return {"get_block_ty": get_block_ty, "with_element_ty": with_element_ty, "tensor_init": tensor_init}
 

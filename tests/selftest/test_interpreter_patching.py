@@ -116,8 +116,8 @@ def test_np_dtypes_are_the_shipped_answers(shortcut):
 
 def test_block_types_are_kept_per_element_type_and_shape(shortcut):
     """One block type per (element type, shape), pointers too, equal to the one
-    built as shipped; a tensor of it has the shipped tensor's shape and numel;
-    ``shipped()`` builds a new type at every call again."""
+    built as shipped; a tensor of it, or of a scalar type, has the shipped
+    tensor's shape, numel and dtype; ``shipped()`` builds a new type at every call again."""
     block = tl.block_type(tl.float32, [4, 2])
     for element in (tl.int32, tl.pointer_type(tl.bfloat16)):
         kept = block.with_element_ty(element)
@@ -125,6 +125,11 @@ def test_block_types_are_kept_per_element_type_and_shape(shortcut):
         ours, shipped = tl.tensor(None, kept), tl.tensor(None, tl.block_type(element, [4, 2]))
         assert (ours.shape, ours.numel, ours.dtype) == (shipped.shape, shipped.numel, shipped.dtype), element
         assert all(isinstance(dim, tl.constexpr) for dim in ours.shape)
+    for scalar in (tl.int32, tl.pointer_type(tl.float32)):
+        ours = tl.tensor(None, scalar)
+        with shortcut.shipped():
+            shipped = tl.tensor(None, scalar)
+        assert (ours.shape, ours.numel, ours.dtype, ours.type) == (shipped.shape, shipped.numel, shipped.dtype, scalar)
     with shortcut.shipped():
         assert block.with_element_ty(tl.int32) is not block.with_element_ty(tl.int32)
     assert block.with_element_ty(tl.int32) is block.with_element_ty(tl.int32), "shipped() left the table unused"
