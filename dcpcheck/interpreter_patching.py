@@ -111,7 +111,8 @@ class BlockTypes:
                 tensor.handle, tensor.type, tensor.dtype = handle, type, type.element_ty
                 tensor.numel, tensor.shape = type._dcpcheck_numel, shape
             elif isinstance(type, tl.dtype) and not type.is_block():  # a scalar: its own scalar type
-                tensor.handle, tensor.type, tensor.dtype, tensor.numel, tensor.shape = handle, type, type, scalar_numel, ()
+                tensor.handle, tensor.type, tensor.dtype = handle, type, type
+                tensor.numel, tensor.shape = scalar_numel, ()
             else:  # a block type built elsewhere
                 shipped_tensor_init(tensor, handle, type)
 
