@@ -15,15 +15,17 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from dcpcheck.ranks.worker import _out_of_memory
 from tests.selftest.inner import run_inner_pytest, write_session
 
 pytestmark = pytest.mark.spawned_only
 
-# Long enough for a pool's start on a host that runs several sessions at once
-# (3 s was not, under gpu_ci on one H100); the W = 4 case waits out most of it.
-STARTUP_TIMEOUT_S = 10
+# Long enough for two pool starts on a host that runs several sessions at once
+# (3 s was not, under gpu_ci on one H100: a CUDA context each); the W = 4 case
+# waits out most of it.
+STARTUP_TIMEOUT_S = 10 if torch.cuda.is_available() else 5
 
 MEMORY_HOLDING_IMPL = """
 import os

@@ -21,6 +21,7 @@ started the usual way (signals, process groups, what is left behind) use
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -157,6 +158,9 @@ def serve(parent_pid: int) -> None:
     die_with_parent(signal.SIGKILL, parent_pid)
     for module in PRELOAD:
         __import__(module)
+    # What is imported now is every run's: the collections a run makes (pytest
+    # makes full ones as its session ends) skip it and copy none of its pages.
+    gc.freeze()
     for line in sys.stdin:
         pid = os.fork()
         if pid == 0:
