@@ -87,7 +87,8 @@ class BlockTypes:
             return tl.block_type(element_ty, shape)
         if kept is None:
             kept = tl.block_type(element_ty, list(dims))  # raises as shipped for a bad shape: nothing kept
-            kept._dcpcheck_tensor_shape = tuple(tl.constexpr(dim) for dim in kept.shape)
+            # As tl.tensor builds it: Triton's own tuple of tl.constexpr.
+            kept._dcpcheck_tensor_shape = tl.core.tuple([tl.constexpr(dim) for dim in kept.shape])
             kept._dcpcheck_numel = tl.constexpr(math.prod(kept.shape))
             self.table[key] = kept
         return kept
@@ -103,7 +104,7 @@ class BlockTypes:
 
         import triton.language as tl
 
-        scalar_numel = tl.constexpr(1)
+        scalar_numel, scalar_shape = tl.constexpr(1), tl.core.tuple([])
 
         def tensor_init(tensor, handle, type):
             shape = getattr(type, "_dcpcheck_tensor_shape", None)
@@ -112,7 +113,7 @@ class BlockTypes:
                 tensor.numel, tensor.shape = type._dcpcheck_numel, shape
             elif isinstance(type, tl.dtype) and not type.is_block():  # a scalar: its own scalar type
                 tensor.handle, tensor.type, tensor.dtype = handle, type, type
-                tensor.numel, tensor.shape = scalar_numel, ()
+                tensor.numel, tensor.shape = scalar_numel, scalar_shape
             else:  # a block type built elsewhere
                 shipped_tensor_init(tensor, handle, type)
 

@@ -124,12 +124,13 @@ def test_block_types_are_kept_per_element_type_and_shape(shortcut):
         assert kept is block.with_element_ty(element) and kept == tl.block_type(element, [4, 2]), element
         ours, shipped = tl.tensor(None, kept), tl.tensor(None, tl.block_type(element, [4, 2]))
         assert (ours.shape, ours.numel, ours.dtype) == (shipped.shape, shipped.numel, shipped.dtype), element
-        assert all(isinstance(dim, tl.constexpr) for dim in ours.shape)
+        assert type(ours.shape) is type(shipped.shape) and all(isinstance(dim, tl.constexpr) for dim in ours.shape)
     for scalar in (tl.int32, tl.pointer_type(tl.float32)):
         ours = tl.tensor(None, scalar)
         with shortcut.shipped():
             shipped = tl.tensor(None, scalar)
         assert (ours.shape, ours.numel, ours.dtype, ours.type) == (shipped.shape, shipped.numel, shipped.dtype, scalar)
+        assert type(ours.shape) is type(shipped.shape), scalar
     with shortcut.shipped():
         assert block.with_element_ty(tl.int32) is not block.with_element_ty(tl.int32)
     assert block.with_element_ty(tl.int32) is block.with_element_ty(tl.int32), "shipped() left the table unused"
