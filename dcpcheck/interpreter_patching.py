@@ -34,7 +34,8 @@ Block types are kept too, one per element type and shape
 ``tl.tensor`` whose shape is rebuilt as a tuple of ``tl.constexpr``, a
 quarter of a small kernel's launch. The interpreter's builder
 (``InterpreterBuilder.get_block_ty``) and ``block_type.with_element_ty`` answer
-from the table, and a tensor of a kept type takes its shape and numel from it.
+from the table, and a tensor of a kept type, or of a scalar type, takes its
+shape and numel without building them.
 
 Only the Triton versions named in ``PATCHED_VERSIONS`` are patched, those whose
 interpreter was read for this; under any other the interpreter runs as shipped.
