@@ -94,8 +94,11 @@ class BlockTypes:
             self.table[key] = kept
         return kept
 
-    def replacements(self, shipped_tensor_init: Callable) -> dict[str, Callable]:
-        """``get_block_ty``, ``with_element_ty`` and ``tensor.__init__`` answering from the table."""
+    def entry_points(self) -> dict[tuple[object, str], tuple[Callable, Callable]]:
+        """(owner, attribute) -> (as shipped, answering from the table), for
+        ``InterpreterBuilder.get_block_ty``, ``block_type.with_element_ty`` and ``tensor.__init__``."""
+        import triton.language as tl
+        from triton.runtime import interpreter
 
         def get_block_ty(builder, dtype, shape):
             return self.of(dtype, shape)
@@ -103,8 +106,7 @@ class BlockTypes:
         def with_element_ty(block_ty, scalar_ty):
             return self.of(scalar_ty, block_ty.shape)
 
-        import triton.language as tl
-
+        shipped_tensor_init = tl.core.tensor.__init__
         scalar_numel, scalar_shape = tl.constexpr(1), tl.core.tuple([])
 
         def tensor_init(tensor, handle, type):
@@ -118,7 +120,12 @@ class BlockTypes:
             else:  # a block type built elsewhere
                 shipped_tensor_init(tensor, handle, type)
 
-        return {"get_block_ty": get_block_ty, "with_element_ty": with_element_ty, "tensor_init": tensor_init}
+        ours = {
+            (interpreter.InterpreterBuilder, "get_block_ty"): get_block_ty,
+            (tl.core.block_type, "with_element_ty"): with_element_ty,
+            (tl.core.tensor, "__init__"): tensor_init,
+        }
+        return {(owner, name): (getattr(owner, name), fn) for (owner, name), fn in ours.items()}
 
 
 def _type_key(ty):
@@ -129,18 +136,6 @@ def _type_key(ty):
         return ("pointer", _type_key(ty.element_ty), ty.address_space, ty.const)
     hash(ty)
     return ty
-
-
-def _block_type_owners() -> dict[str, tuple[object, str]]:
-    """Where each of :meth:`BlockTypes.replacements` is installed: (owner, attribute)."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    return {
-        "get_block_ty": (interpreter.InterpreterBuilder, "get_block_ty"),
-        "with_element_ty": (tl.core.block_type, "with_element_ty"),
-        "tensor_init": (tl.core.tensor, "__init__"),
-    }
 
 
 @dataclass
@@ -270,11 +265,8 @@ def patch_language_once_per_process() -> Shortcut | None:
 
     interpreter._patch_lang = keep_lang_patched
     interpreter._get_np_dtype = _np_dtype_per_type(shortcut.get_np_dtype)
-    owners = _block_type_owners()
-    shipped_tensor_init = getattr(*owners["tensor_init"])
-    for entry, ours in BlockTypes().replacements(shipped_tensor_init).items():
-        owner, name = owners[entry]
-        shortcut.block_type_entries[owner, name] = (getattr(owner, name), ours)
+    shortcut.block_type_entries = BlockTypes().entry_points()
+    for (owner, name), (_, ours) in shortcut.block_type_entries.items():
         setattr(owner, name, ours)
     interpreter._dcpcheck_shortcut = shortcut
     return shortcut
