@@ -145,7 +145,7 @@ class Shortcut:
     patch_lang: Callable  # triton.runtime.interpreter._patch_lang as shipped
     get_np_dtype: Callable  # triton.runtime.interpreter._get_np_dtype as shipped
     # (owner, attribute) -> (as shipped, the shortcut's): the block-type table's entry points
-    block_type_entries: dict = field(default_factory=dict, repr=False)
+    block_type_entries: dict = field(repr=False)
     kept: object | None = None  # the process's patch (Triton's _LangPatchScope) once a launch made it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     seen: set = field(default_factory=set, repr=False)  # functions found to see triton.language
@@ -252,7 +252,7 @@ def patch_language_once_per_process() -> Shortcut | None:
     installed = getattr(interpreter, "_dcpcheck_shortcut", None)
     if installed is not None:
         return installed
-    shortcut = Shortcut(interpreter._patch_lang, interpreter._get_np_dtype)
+    shortcut = Shortcut(interpreter._patch_lang, interpreter._get_np_dtype, BlockTypes().entry_points())
 
     def keep_lang_patched(fn):
         # Triton's check, once per function, with Triton's message.
@@ -265,7 +265,6 @@ def patch_language_once_per_process() -> Shortcut | None:
 
     interpreter._patch_lang = keep_lang_patched
     interpreter._get_np_dtype = _np_dtype_per_type(shortcut.get_np_dtype)
-    shortcut.block_type_entries = BlockTypes().entry_points()
     for (owner, name), (_, ours) in shortcut.block_type_entries.items():
         setattr(owner, name, ours)
     interpreter._dcpcheck_shortcut = shortcut
