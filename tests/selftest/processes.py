@@ -4,7 +4,10 @@ with the GIL held, and how a test waits for processes and reads their state."""
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dcpcheck.ranks.procstate import process_state_letter
@@ -56,3 +59,55 @@ def start_stuck_session(tmp_path, args: list[str]):
     assert wait_until(lambda: all(m.exists() for m in markers), 120), proc.communicate(timeout=5)[0]
     ranks = [int(m.read_text()) for m in markers]
     return proc, ranks, pool_dir_of(ranks[0])
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """How a session ended, in seconds since a signal was sent: each line of
+    its output when it came, when its process exited, when its output closed
+    (the last process holding the pipe, an xdist worker say, was gone)."""
+
+    lines: list[tuple[float, str]]
+    exited_s: float | None
+    closed_s: float | None
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    @property
+    def ended_s(self) -> float:
+        return max(self.exited_s or 0.0, self.closed_s or 0.0)
+
+    def timeline(self) -> str:
+        """Where the time went, for a failure message."""
+        lines = "".join(f"  +{at:5.1f} s | {line}" for at, line in self.lines)
+        return f"its process exited {_at(self.exited_s)}, its output closed {_at(self.closed_s)}; its output:\n{lines}"
+
+
+def _at(seconds: float | None) -> str:
+    return "not within the timeout" if seconds is None else f"at +{seconds:.1f} s"
+
+
+def watch_end(proc: subprocess.Popen, since: float, timeout: float) -> SessionEnd:
+    """Read ``proc``'s text output until it closes and ``proc`` exits (at
+    most ``timeout`` s): -> its :class:`SessionEnd`, timed from ``since``
+    (``time.monotonic()``). Past the timeout the process is killed."""
+    lines: list[tuple[float, str]] = []
+    closed: list[float] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic() - since, line))
+        closed.append(time.monotonic() - since)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+        exited = time.monotonic() - since
+    except subprocess.TimeoutExpired:
+        exited = None
+        proc.kill()
+    reader.join(max(0.0, since + timeout - time.monotonic()))
+    return SessionEnd(list(lines), exited, closed[0] if closed else None)

@@ -14,7 +14,7 @@ import pytest
 
 from dcpcheck.ranks.pool import STOP_WAIT_S
 from tests.selftest.inner import start_inner_pytest, write_session
-from tests.selftest.processes import alive, start_stuck_session, wait_until
+from tests.selftest.processes import alive, start_stuck_session, wait_until, watch_end
 from tests.selftest.slowdown import Slowdown
 
 pytestmark = pytest.mark.spawned_only
@@ -28,14 +28,15 @@ CTRL_C_RETURN_S = STOP_WAIT_S - 2.0
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
 def test_ctrl_c_during_a_stuck_case_ends_the_session_at_once_and_leaves_nothing(tmp_path, xdist):
+    started = time.monotonic()
     proc, ranks, pool_dir = start_stuck_session(tmp_path, ["-n", "1"] if xdist else [])
     with Slowdown() as slow:
         interrupted = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-        output, _ = proc.communicate(timeout=100)  # under the case timeout: a session that waits for it fails
-        seconds = time.monotonic() - interrupted
-    assert seconds < slow.bound(CTRL_C_RETURN_S), (
-        f"pytest took {seconds:.1f} s to return after Ctrl-C (the machine ran {slow.factor:.1f}x slow):\n{output}"
+        end = watch_end(proc, interrupted, timeout=100)  # under the case timeout: a session that waits for it fails
+    assert end.exited_s is not None and end.closed_s is not None and end.ended_s < slow.bound(CTRL_C_RETURN_S), (
+        f"pytest took {end.ended_s:.1f} s to end after Ctrl-C, sent {interrupted - started:.1f} s after it started "
+        f"(the machine ran {slow.factor:.1f}x slow): " + end.timeline()
     )
     assert wait_until(lambda: not any(map(alive, ranks)), 5), [p for p in ranks if alive(p)]
     assert wait_until(lambda: not pool_dir.exists(), 5), f"{pool_dir} is left"
