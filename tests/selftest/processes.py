@@ -72,12 +72,11 @@ class SessionEnd:
     closed_s: float | None
 
     @property
-    def output(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    @property
-    def ended_s(self) -> float:
-        return max(self.exited_s or 0.0, self.closed_s or 0.0)
+    def ended_s(self) -> float | None:
+        """When both had happened; None if either had not within the timeout."""
+        if self.exited_s is None or self.closed_s is None:
+            return None
+        return max(self.exited_s, self.closed_s)
 
     def timeline(self) -> str:
         """Where the time went, for a failure message."""

@@ -34,8 +34,9 @@ def test_ctrl_c_during_a_stuck_case_ends_the_session_at_once_and_leaves_nothing(
         interrupted = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         end = watch_end(proc, interrupted, timeout=100)  # under the case timeout: a session that waits for it fails
-    assert end.exited_s is not None and end.closed_s is not None and end.ended_s < slow.bound(CTRL_C_RETURN_S), (
-        f"pytest took {end.ended_s:.1f} s to end after Ctrl-C, sent {interrupted - started:.1f} s after it started "
+    bound = slow.bound(CTRL_C_RETURN_S)
+    assert end.ended_s is not None and end.ended_s < bound, (
+        f"pytest did not end within {bound:.1f} s of Ctrl-C, sent {interrupted - started:.1f} s after it started "
         f"(the machine ran {slow.factor:.1f}x slow): " + end.timeline()
     )
     assert wait_until(lambda: not any(map(alive, ranks)), 5), [p for p in ranks if alive(p)]
