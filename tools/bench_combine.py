@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dcpcheck.group import DcpGroup
 from dcpcheck.impls.registry import load_implementation
-from dcpcheck.ranks.group import DcpGroup
 
 HEAD_DIM = 512
 LSE_COLUMNS = 2  # an fp32 LSE packed as bf16 columns

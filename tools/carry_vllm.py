@@ -42,7 +42,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from dcpcheck.impls.dsv41.flashinfer_sources import SOURCES_FOLDER
+from dcpcheck.impls.dsv41.kernels.flashinfer_sources import SOURCES_FOLDER
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "tools" / "vllm-import-requirements.txt"

@@ -11,7 +11,7 @@
 # pins torch and triton, so nothing can replace them. Then the source of the
 # FlashInfer release vLLM pins (flashinfer-python==0.7.2.post1 for 0.33.0) is
 # unpacked beside vLLM, for --dcp-impl dsv41 to read, never import
-# (dcpcheck/impls/dsv41/flashinfer_sources.py): the wheel is downloaded with
+# (dcpcheck/impls/dsv41/kernels/flashinfer_sources.py): the wheel is downloaded with
 # --no-deps and only flashinfer/mla/_core.py leaves it. Idempotent: a venv
 # that already passes the check is left as it is.
 set -euo pipefail
@@ -64,7 +64,7 @@ fi
 # vLLM's pin, under SITE/dcpcheck-flashinfer-sources/flashinfer-python-VERSION/.
 install_flashinfer_sources() {
   local pin site dest wheels
-  pin=$("$PY" -c 'from dcpcheck.impls.dsv41.flashinfer_sources import pinned_version; print(pinned_version())') || {
+  pin=$("$PY" -c 'from dcpcheck.impls.dsv41.kernels.flashinfer_sources import pinned_version; print(pinned_version())') || {
     echo "error: cannot read vLLM's FlashInfer pin (is dcpcheck installed in $VENV: pip install -e .?)" >&2
     exit 2
   }

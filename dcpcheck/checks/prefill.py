@@ -12,11 +12,11 @@ import torch
 from dcpcheck.case_terms import DTYPES
 from dcpcheck.checks.cases import checked_layer_output, own_heads
 from dcpcheck.compare import coarser_dtype, format_context
+from dcpcheck.group import DcpGroup
 from dcpcheck.impls.conventions import conventions_of
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.kv_cache import stored_values
 from dcpcheck.oracle.prefill import dense_state_slots
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.trace import PREFILL_REQUESTS, build_prefill_batch

@@ -38,7 +38,7 @@ def _vllm_tree():
 
 
 def _dsv41_tree(spec: str):
-    from dcpcheck.impls.dsv41 import Dsv41Implementation, PortSpecError
+    from dcpcheck.impls.dsv41.implementation import Dsv41Implementation, PortSpecError
 
     try:
         return Dsv41Implementation(spec)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from dcpcheck.group import DcpGroup
 from dcpcheck.ranks import compile_clock
 from dcpcheck.ranks.case_state import CaseState
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.input_guard import inputs_read_only
 from dcpcheck.ranks.launcher import Case
 

@@ -49,11 +49,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcpcheck.group import DcpGroup
 from dcpcheck.impls.protocol import KnownFailure
 from dcpcheck.impls.registry import load_implementation
 from dcpcheck.ranks.case_state import CaseState
 from dcpcheck.ranks.cuda_driver import block_while_waiting
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.outcome_board import NO_DECISION, POLL_S, OutcomeBoard, RankReport
 from dcpcheck.ranks.placement import Placement

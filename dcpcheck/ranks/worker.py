@@ -94,7 +94,7 @@ def _init_group(args, startup: dict):
     """The rank's DcpGroup; ``startup`` gets the seconds of its CUDA and group set-up."""
     import torch.distributed as dist
 
-    from dcpcheck.ranks.group import DcpGroup
+    from dcpcheck.group import DcpGroup
     from dcpcheck.ranks.placement import Placement
 
     _apply_thread_count()

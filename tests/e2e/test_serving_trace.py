@@ -29,10 +29,10 @@ from dcpcheck.checks.cases import own_heads
 from dcpcheck.checks.collectives import CountingGroup
 from dcpcheck.checks.stack import RankStack
 from dcpcheck.compare import MismatchError, assert_close, coarser_dtype
+from dcpcheck.group import DcpGroup
 from dcpcheck.impls.conventions import conventions_of, prefill_is_fused
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.prefill import gather_geometry
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.layers import LayerSpec, LayerTensors
 from dcpcheck.scenarios.topology import Dsv41Topology
 from dcpcheck.scenarios.trace import RequestSpec, schedule_trace, step_rows

@@ -16,7 +16,7 @@ import torch
 
 from dcpcheck.checks.stage1 import filter_on_rank, stage1_slots
 from dcpcheck.compare import assert_close
-from dcpcheck.ranks.group import DcpGroup
+from dcpcheck.group import DcpGroup
 from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpcheck.impls.dsv41.serving import PROBE_RATIO, kept_combine_context
+from dcpcheck.impls.dsv41.probes.combine_context import kept_combine_context
+from dcpcheck.impls.dsv41.probes.common import PROBE_RATIO
 
 
 class LaunchContext:

@@ -5,7 +5,7 @@ one, the test and world size that reach it, and what the failure must show.
 
 * ``window_off_by_a_page``: the SWA builder's page index one page on
   (``_compute_swa_indices_and_lens_kernel`` in ``sparse_swa.py``), read by the
-  trace's SWA-only first layer (:mod:`dcpcheck.impls.dsv41.swa_pages`);
+  trace's SWA-only first layer (:mod:`dcpcheck.impls.dsv41.server.swa_pages`);
 * ``bound_on_the_global_page``: the top-k remap kernel's page bound
   (``sparse_mla_index_remap_kernel`` in ``sparse_utils.py``, which the port's
   DCP decode calls) taken on the global page instead of the rank's: only a
@@ -16,7 +16,7 @@ one, the test and world size that reach it, and what the failure must show.
   (``DeviceCommunicatorBase.all_gather`` in ``base_device_communicator.py``)
   moving the rank blocks one dim too far, so they interleave: the layer's DCP
   group is the tree's ``GroupCoordinator`` over that communicator
-  (:mod:`dcpcheck.impls.dsv41.dcp_group`), and the port gathers its query
+  (:mod:`dcpcheck.impls.dsv41.server.coordinator`), and the port gathers its query
   heads (and sink) through it; on dcpcheck's own group it went unseen."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``--dcp-impl dsv41``'s stand-ins give way to the tree's own pieces
-(:mod:`dcpcheck.impls.dsv41.stand_ins`): a scratch tree whose
+(:mod:`dcpcheck.impls.dsv41.findings.stand_ins`): a scratch tree whose
 ``DeepseekV4Attention.__init__`` sets the layer's DCP attributes itself, its
 interleave in compressed states (a stack that hands the port states), is run
 with them, not dcpcheck's: its manifest line says the tree's, and finding 1's
@@ -35,8 +35,8 @@ STACK_DCP_ATTRIBUTES = (
 )
 REPORT = """
 import json
-from dcpcheck.impls.dsv41 import Dsv41Implementation
-from dcpcheck.impls.dsv41.stand_ins import MANIFEST
+from dcpcheck.impls.dsv41.implementation import Dsv41Implementation
+from dcpcheck.impls.dsv41.findings.stand_ins import MANIFEST
 impl = Dsv41Implementation()
 group = next(entry for entry in MANIFEST if entry.piece == "the DCP group")
 print(json.dumps({"line": MANIFEST[1].line(impl), "read_unit": impl.findings.read_unit, "group": group.line(impl)}))

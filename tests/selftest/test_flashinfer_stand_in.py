@@ -1,5 +1,5 @@
 """``--dcp-impl dsv41``'s stand-in for FlashInfer's ``flashinfer.mla._core``
-(:mod:`dcpcheck.impls.dsv41.flashinfer_stand_in`), on a small ``_core.py`` of
+(:mod:`dcpcheck.impls.dsv41.kernels.flashinfer_stand_in`), on a small ``_core.py`` of
 this test's: the definitions it names are executed from the file, the entry
 keeps the file's signature (Python's own TypeError for a call that does not
 bind), finding 6's fix is supplied only where the call omits exactly it, and
@@ -15,9 +15,9 @@ import textwrap
 import pytest
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.flashinfer_sources import CORE, FlashInferSources
-from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.kernels.flashinfer_sources import CORE, FlashInferSources
+from dcpcheck.impls.dsv41.kernels.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
 
 CORE_SOURCE = textwrap.dedent(
     """

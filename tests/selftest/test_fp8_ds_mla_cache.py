@@ -1,5 +1,5 @@
 """``--dcp-impl dsv41``'s caches in vLLM's ``fp8_ds_mla`` record
-(:mod:`dcpcheck.impls.dsv41.kv_cache_format`): its writer puts every byte where
+(:mod:`dcpcheck.impls.dsv41.server.kv_cache_format`): its writer puts every byte where
 vLLM 0.33.0's own Triton writers put it (the compressed cache's
 ``rope_quant_insert`` and ``quantize_and_insert_k_cache``, the sliding-window
 CUDA op's twin), at vLLM's head dim; its reader, the reference kernel's, gives
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA, Fp8DsMlaRecord, allocate, write
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA, Fp8DsMlaRecord, allocate, write
 from dcpcheck.oracle.kv_cache import stored_values
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ from dcpcheck.impls.vllm_adapter import VllmImplementation
 VllmImplementation()  # triton for vLLM on CPU
 from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
 from vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache import rope_quant_insert
-from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA, allocate, write
+from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA, allocate, write
 
 PAGE, PAGES, D = 4, 3, 512
 gen = torch.Generator().manual_seed(0)

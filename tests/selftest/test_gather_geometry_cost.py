@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcpcheck.impls.dsv41.serving import GEOMETRY_STACK, gather_geometry_reads
+from dcpcheck.impls.dsv41.probes.gather_cost import GEOMETRY_STACK, gather_geometry_reads
 
 
 class GeometryPerStepLayer:

@@ -28,9 +28,9 @@ from dcpcheck.case_terms import DTYPES, LSE_BASES
 from dcpcheck.checks.cases import own_heads
 from dcpcheck.checks.stage1 import column_slice, stage1_slots
 from dcpcheck.compare import Expected, MismatchError, assert_close, assert_lse_close, assert_outputs, format_context
+from dcpcheck.group import DcpGroup
 from dcpcheck.impls.conventions import conventions_of
 from dcpcheck.oracle import attention as oracle
-from dcpcheck.ranks.group import DcpGroup
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import KvLayout, build_step_batch, dcp1_block_table, rank_block_table
 from dcpcheck.stages import STAGE_COMBINE

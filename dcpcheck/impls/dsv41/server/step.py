@@ -10,17 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41 import kv_cache_format
-from dcpcheck.impls.dsv41.layer import (
-    NULL_PAGE,
-    LayerSpec,
-    build_port_layer,
-    index_topk,
-    padded_topk_width,
-)
-from dcpcheck.impls.dsv41.serving import block_table_width, build_compressed_metadata, compressed_cache_spec
-from dcpcheck.impls.dsv41.stand_ins import swa_block_size
-from dcpcheck.impls.dsv41.swa_pages import (
+from dcpcheck.impls.dsv41.server import kv_cache_format
+from dcpcheck.impls.dsv41.server.layer import NULL_PAGE, LayerSpec, build_port_layer, index_topk, padded_topk_width
+from dcpcheck.impls.dsv41.server.metadata import block_table_width, build_compressed_metadata, compressed_cache_spec
+from dcpcheck.impls.dsv41.server.swa_pages import (
     WindowPages,
     allocate_swa_cache,
     build_swa_metadata,
@@ -28,7 +21,8 @@ from dcpcheck.impls.dsv41.swa_pages import (
     swa_builder,
     swa_cache_spec,
 )
-from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
+from dcpcheck.impls.dsv41.tree.loading import cuda_query_stand_ins, patched
+from dcpcheck.impls.dsv41.tree.sources import swa_block_size
 
 
 @dataclass

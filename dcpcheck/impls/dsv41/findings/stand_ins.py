@@ -11,87 +11,19 @@ its ``suite`` text). The run header prints every entry (:func:`header_lines`).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import importlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from dcpcheck.impls.dsv41.tree.sources import DCP_ATTRIBUTES, TOPK_MERGE_CHECK
 
 # tools/build_dsv41_tree.sh appends the timing names after this marker when the tree's file lacks them.
 TIMING_MARKER = "dcpcheck: no-op stand-ins"
 TIMING_NAMES = ("_PREFILL_TIMING", "_PrefillTimer", "prefill_acc_add")
 TIMING_MODULE = "vllm.model_executor.kernels.attention.dsa.candidate_blocks"
 METADATA_MODULE = "vllm.models.deepseek_v41.sparse_mla"
-DCP_ATTRIBUTES = ("dcp_world_size", "dcp_rank", "cp_kv_cache_interleave_size")
-INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
-TOPK_MERGE_CHECK = "_assert_cutedsl_dcp_merge_supported"  # refuses an index_topk it cannot merge under DCP
-ATTENTION_MODULE = "vllm.models.deepseek_v41.attention"
-SWA_CACHE_CLASS = "DeepseekV4SWACache"  # built by DeepseekV4Attention.__init__ with the SWA page size
-
-
-class StandInError(ImportError):
-    """The tree lacks what dcpcheck reads a served parameter from (a usage error, as a missing module is)."""
-
-
-def _vllm_source(module: str) -> Path | None:
-    """The file of a vLLM module, found without importing its packages (on CUDA they import
-    compiled extensions before dcpcheck's stand-ins for them are in place)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)), *module.split(".")[1:]).with_suffix(".py")
-
-
-@functools.cache
-def served_topk_widths() -> tuple[int, ...]:
-    """The index_topk widths the tree's DCP top-k merge accepts: the tuple of its ``k not in (...)``
-    check, read from the indexer's source (importing it needs CUDA kernels)."""
-    path = _vllm_source(INDEXER_MODULE)
-    if path is None or not path.is_file():
-        raise StandInError(f"no {INDEXER_MODULE} to read the served top-k widths from")
-    check = next(
-        (node for node in ast.walk(ast.parse(path.read_text())) if getattr(node, "name", None) == TOPK_MERGE_CHECK),
-        None,
-    )
-    for node in ast.walk(check) if check else ():
-        if isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.NotIn):
-            widths = ast.literal_eval(node.comparators[0])
-            if isinstance(widths, tuple) and widths and all(isinstance(width, int) for width in widths):
-                return tuple(sorted(widths))
-    raise StandInError(
-        f"{path}: no {TOPK_MERGE_CHECK} with a 'k not in (widths)' check, where dcpcheck reads the top-k "
-        "widths vLLM serves under DCP"
-    )
-
-
-@functools.cache
-def swa_block_size() -> int:
-    """DSV4.1's SWA page in tokens: the ``block_size`` the tree's ``DeepseekV4Attention.__init__`` builds its
-    ``DeepseekV4SWACache`` with (that cache's kv cache spec, so the SWA builder's ``block_size``), read from
-    the source: that line runs after the weights, which dcpcheck does not build."""
-    path = _vllm_source(ATTENTION_MODULE)
-    if path is None or not path.is_file():
-        raise StandInError(f"no {ATTENTION_MODULE} to read the SWA page size from")
-    attention = next(
-        (
-            node
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ClassDef) and node.name == "DeepseekV4Attention"
-        ),
-        None,
-    )
-    for node in ast.walk(attention) if attention else ():
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == SWA_CACHE_CLASS:
-            size = next((ast.literal_eval(kw.value) for kw in node.keywords if kw.arg == "block_size"), None)
-            if isinstance(size, int) and size > 0:
-                return size
-    raise StandInError(
-        f"{path}: no DeepseekV4Attention building a {SWA_CACHE_CLASS} with a literal block_size, where dcpcheck "
-        "reads the SWA page size vLLM serves"
-    )
 
 
 @dataclass(frozen=True)
@@ -122,14 +54,14 @@ def metadata_has_seq_lens(impl) -> bool:
 
 
 def layer_sets_dcp_attributes(impl) -> bool:
-    from dcpcheck.impls.dsv41.layer import tree_dcp_attributes  # layer imports this module
+    from dcpcheck.impls.dsv41.server.layer import tree_dcp_attributes  # layer imports this module
 
     return tree_dcp_attributes(impl.tree) == set(DCP_ATTRIBUTES)
 
 
 def dcp_group_is_the_trees(impl) -> str | None:
     """The tree's GroupCoordinator, built over the test's process group, and the communicator it runs."""
-    from dcpcheck.impls.dsv41.dcp_group import tree_coordinator  # imports the tree's vLLM
+    from dcpcheck.impls.dsv41.server.coordinator import tree_coordinator  # imports the tree's vLLM
 
     coordinator = tree_coordinator()
     return None if coordinator is None else coordinator.describe()

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.dcp_group import layer_group
-from dcpcheck.impls.dsv41.tree import cuda_query_stand_ins, patched
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.server.coordinator import layer_group
+from dcpcheck.impls.dsv41.tree.loading import cuda_query_stand_ins, patched
 
 KERNEL_SIGNATURE = inspect.signature(reference_kernel.sm120_sparse_attention_with_lse)
 

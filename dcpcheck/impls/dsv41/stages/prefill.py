@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41.dcp_group import layer_group
-from dcpcheck.impls.dsv41.layer import NULL_PAGE
-from dcpcheck.impls.dsv41.tree import patched
+from dcpcheck.impls.dsv41.server.coordinator import layer_group
+from dcpcheck.impls.dsv41.server.layer import NULL_PAGE
+from dcpcheck.impls.dsv41.tree.loading import patched
 
 
 @dataclass(frozen=True)

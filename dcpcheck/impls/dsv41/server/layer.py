@@ -48,11 +48,11 @@ import types
 
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.dcp_group import layer_group
-from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA
-from dcpcheck.impls.dsv41.stand_ins import DCP_ATTRIBUTES, served_topk_widths
-from dcpcheck.impls.dsv41.tree import BUILDER_CLASS, PortSpecError, PortTree, patched
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.server.coordinator import layer_group
+from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA
+from dcpcheck.impls.dsv41.tree.loading import BUILDER_CLASS, PortSpecError, PortTree, patched
+from dcpcheck.impls.dsv41.tree.sources import DCP_ATTRIBUTES, served_topk_widths
 from dcpcheck.spies import environments
 
 TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from dcpcheck.impls.dsv41.kv_cache_format import Fp8DsMlaRecord
+from dcpcheck.impls.dsv41.server.kv_cache_format import Fp8DsMlaRecord
 
 EMPTY_LSE = -math.inf
 KERNEL_HEADS = (8, 16, 32, 64, 128)  # h_q the SM120 specializations exist for

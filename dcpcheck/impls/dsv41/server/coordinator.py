@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dcpcheck.ranks.group import DcpGroup
+from dcpcheck.group import DcpGroup
 
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 COORDINATOR_CLASS = "GroupCoordinator"

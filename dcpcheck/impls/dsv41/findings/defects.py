@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 
-from dcpcheck.impls.dsv41.cures import COMBINE_CONTEXT_PER_CALL, READ_UNIT_IN_STATES, REMAP_PER_INDEX_SOURCE
-from dcpcheck.impls.dsv41.kernel_calls import LSE_SCALE_MISSING
-from dcpcheck.impls.dsv41.serving import (
+from dcpcheck.impls.dsv41.findings.cures import COMBINE_CONTEXT_PER_CALL, READ_UNIT_IN_STATES, REMAP_PER_INDEX_SOURCE
+from dcpcheck.impls.dsv41.probes.kernel_call import LSE_SCALE_MISSING
+from dcpcheck.impls.dsv41.probes.serving import (
     COMBINE_CONTEXT,
     COMPRESSED_WRITER,
     FLASHINFER_KERNEL_CALL,
@@ -87,7 +87,7 @@ def _probed(probe: str, finding: str, where: str) -> KnownFailure:
 
 def port_defect(terms, findings) -> KnownFailure | None:
     """The port's own defects a case meets; ``findings``: the tree's
-    :class:`dcpcheck.impls.dsv41.serving.ServingFindings`, asked only where a case needs one."""
+    :class:`dcpcheck.impls.dsv41.probes.serving.ServingFindings`, asked only where a case needs one."""
     defects = []
     if "tree_compressed_writer" in terms.properties and findings.compressed_writer:
         defects.append(_probed(COMPRESSED_WRITER, findings.compressed_writer, WRITE_SIDE_MISSING))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from dcpcheck.impls.dsv41.tree import patched
+from dcpcheck.impls.dsv41.tree.loading import patched
 
 # Finding 1: the read side reads compressed states in the unit vLLM's DCP writer
 # writes them in (cp_kv_cache_interleave_size // compress_ratio, as

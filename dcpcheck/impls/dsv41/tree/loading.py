@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.flashinfer_sources import FlashInferSourcesError, pinned_sources
-from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
-from dcpcheck.impls.dsv41.kv_cache_format import FP8_DS_MLA, KV_CACHE_DTYPES
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.kernels.flashinfer_sources import FlashInferSourcesError, pinned_sources
+from dcpcheck.impls.dsv41.kernels.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
+from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA, KV_CACHE_DTYPES
 from dcpcheck.spies import environments
 
 DEFAULT_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"

@@ -1,5 +1,5 @@
 """The sliding window served as vLLM serves DSV4.1's: pages of DSV4.1's SWA
-block size (:func:`.stand_ins.swa_block_size`), a block table per request with
+block size (:func:`.tree.sources.swa_block_size`), a block table per request with
 its pages out of order, the SWA cache allocated as vLLM allocates it, and the
 step's SWA metadata from the tree's own SWA metadata builder.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41.layer import NULL_PAGE
-from dcpcheck.impls.dsv41.stand_ins import swa_block_size
-from dcpcheck.impls.dsv41.tree import patched
+from dcpcheck.impls.dsv41.server.layer import NULL_PAGE
+from dcpcheck.impls.dsv41.tree.loading import patched
+from dcpcheck.impls.dsv41.tree.sources import swa_block_size
 from dcpcheck.scenarios.window import window_rows
 
 SWA_CACHE_DTYPE = "auto"  # plain bf16 rows (dsv41@bfloat16); fp8_ds_mla pages come from .kv_cache_format
@@ -40,7 +40,7 @@ class WindowPages:
 
 def swa_cache_spec(*, head_size: int, window: int, dtype: torch.dtype):
     """The tree's ``DeepseekV4SWACache.get_kv_cache_spec`` for a layer of that head size and window,
-    run on what that cache's ``__init__`` stores (the page size: :func:`.stand_ins.swa_block_size`)."""
+    run on what that cache's ``__init__`` stores (the page size: :func:`.tree.sources.swa_block_size`)."""
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     holder = types.SimpleNamespace(

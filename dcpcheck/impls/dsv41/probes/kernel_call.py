@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dcpcheck.impls.dsv41.flashinfer_stand_in import ENTRY
-from dcpcheck.impls.dsv41.tree import SM120_WRAPPER, PortTree
+from dcpcheck.impls.dsv41.kernels.flashinfer_stand_in import ENTRY
+from dcpcheck.impls.dsv41.tree.loading import SM120_WRAPPER, PortTree
 
 # One token, the kernel's smallest head count, a window and a compressed segment.
 PROBE_HEADS = 8

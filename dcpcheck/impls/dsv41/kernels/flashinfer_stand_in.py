@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcpcheck.impls.dsv41 import reference_kernel
-from dcpcheck.impls.dsv41.flashinfer_sources import FlashInferSources
+from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.kernels.flashinfer_sources import FlashInferSources
 
 MODULE = "flashinfer.mla._core"
 ENTRY = "_trtllm_batch_decode_sparse_mla_sm120"

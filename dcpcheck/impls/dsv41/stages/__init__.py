@@ -1,0 +1,1 @@
+"""Stage capabilities run on the port's own fused calls."""
