@@ -19,8 +19,7 @@ import torch
 
 from dcpcheck.compare import MismatchError, assert_close, out_amplitude_summable_in
 from dcpcheck.oracle.attention import merge_partials
-from tests.stage3_combine.test_combine import HEAD_DIM, synthetic_partials
-from tests.stage3_combine.test_combine_cancelling import NUM_HEADS, cancelling_partials
+from dcpcheck.scenarios.partials import CANCELLING_HEADS, HEAD_DIM, cancelling_partials, synthetic_partials
 
 SEEDS = (0, 1, 2)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -56,7 +55,7 @@ def _vs_merges(outs, lses, *, lse_base):
 @pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("world", [4, 8])
 def test_cancelling_partials_leave_the_out_tolerance_on_every_element(world, dtype, seed):
-    outs, lses = cancelling_partials(torch.Generator().manual_seed(seed), world, NUM_HEADS, dtype, HEAD_DIM, 2.0)
+    outs, lses = cancelling_partials(torch.Generator().manual_seed(seed), world, CANCELLING_HEADS, dtype, HEAD_DIM, 2.0)
     ag_rs, exact, rounded_once = _vs_merges(outs, lses, lse_base=2.0)
     assert not ag_rs.any(), "the rounded terms sum to exactly 0"
     every_element = r"(\d+) of \1 elements out of tolerance"

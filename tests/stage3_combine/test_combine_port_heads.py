@@ -1,7 +1,8 @@
 """Stage 3: the combine at a DCP2 port's own shapes, H = 8·W (8 heads per
 rank, the unpadded minimum its kernels take), bf16 partials, base-2 LSEs.
 
-Every implementation runs the combine checks of ``test_combine.py`` there.
+Every implementation runs the combine checks of ``test_combine.py`` there
+(:func:`tests.stage3_combine.common.check_combine`).
 A port that fuses its sink gather, kernel call and combine into one step
 (``fused_combine``: the DCP2 port's ``_run_sm120_dcp``) is also checked
 through that step: its output against the oracle merge, and what it hands
@@ -19,8 +20,9 @@ from dcpcheck.case_terms import DTYPES, LSE_BASES
 from dcpcheck.checks.cases import own_heads
 from dcpcheck.compare import Expected, MismatchError, assert_close, assert_outputs, format_context
 from dcpcheck.oracle.attention import merge_partials
+from dcpcheck.scenarios.partials import HEAD_DIM, NUM_TOKENS, synthetic_partials
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.test_combine import HEAD_DIM, NUM_TOKENS, check_combine, synthetic_partials
+from tests.stage3_combine.common import check_combine
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),

@@ -2,7 +2,7 @@
 
 ``SentinelGivenWeight`` (``tools/mutation_report.py``) treats only -inf as an
 empty partial and merges the -1e30 sentinel as a real LSE. In
-:func:`tests.stage3_combine.test_combine.synthetic_partials` every row whose
+:func:`dcpcheck.scenarios.partials.synthetic_partials` every row whose
 ranks are all at the sentinel has zero outputs, and a weighted mean of zeros
 is zero, so that bug passed. Here the outputs under the sentinel are garbage
 (NaN, or random values, as a kernel may leave for a row with no candidate):
@@ -21,9 +21,9 @@ from dcpcheck.case_terms import DTYPES, LSE_BASES
 from dcpcheck.checks.cases import own_heads
 from dcpcheck.compare import assert_close, assert_lse_close
 from dcpcheck.oracle.attention import EMPTY_LSE, merge_partials
+from dcpcheck.scenarios.partials import EMPTY_FORMS, HEAD_DIM, synthetic_partials
 from dcpcheck.stages import STAGE_COMBINE
 from tests.stage3_combine.common import combine_with_lse
-from tests.stage3_combine.test_combine import EMPTY_FORMS, HEAD_DIM, synthetic_partials
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
