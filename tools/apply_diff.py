@@ -10,12 +10,17 @@ removed one to it), one section per file, or the seed diff, whose one file
 ``SEED_PATHS`` maps. Each section is applied with GNU ``patch`` in the order
 of the diff (a file may come twice, as in a series). A hunk that does not
 apply prints ``error: <file>: hunk #N (<its @@ line>) did not apply``, for
-every such hunk of every file, and exits 2; so do a path outside ``vllm/``,
-a rename and a binary patch.
+every such hunk of every file, and exits 2; so do a path outside ``vllm/``
+(absolute, with ``..`` or a NUL), a file under a file, a folder, a file whose
+real path leaves OUT (through a folder link into or out of the installed
+vLLM: never written through), a rename, a binary patch, a diff that is not
+UTF-8 (vLLM's sources are) and one that removes a file the port imports
+(the port would not import; no stand-in is made for it).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -30,6 +35,7 @@ SEED_PATHS = {
     "baked-ours/models/deepseek_v4_1/nvidia/flashinfer_sparse.py": "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py",
     "baked/models/deepseek_v4_1/nvidia/flashinfer_sparse.py": "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py",
 }
+PORT_FILE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"
 GIT_PREFIXES = ("a/", "b/")
 HUNK_HEADER = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 UNSUPPORTED = re.compile(r"^(rename from |copy from |GIT binary patch|Binary files )")
@@ -60,7 +66,8 @@ def tree_path(diff_path: str) -> str:
         return SEED_PATHS[path]
     if path.startswith(GIT_PREFIXES):
         path = path[2:]
-    if not path.startswith("vllm/") or ".." in Path(path).parts:
+    parts = path.split("/")
+    if parts[0] != "vllm" or len(parts) < 2 or {"", ".", ".."} & set(parts) or "\0" in path:
         raise DiffError(f"{diff_path}: not a file of vLLM's vllm/ folder (git diff from vLLM's repository root)")
     return path
 
@@ -119,9 +126,30 @@ def split_diff(text: str) -> list[FilePatch]:
     return sections
 
 
+def folder_in_tree(out: Path, section: FilePatch) -> None:
+    """Refuse a file whose folder is not a folder of the tree itself: under a file, or reached through a
+    folder link (into the installed vLLM or out of it), where writing it would write outside OUT."""
+    tree = out.resolve()
+    folder = out
+    for part in Path(section.path).parent.parts:
+        folder = folder / part
+        if folder.exists() and not folder.is_dir():
+            raise DiffError(f"{section.path}: {folder.relative_to(out)} is a file; accepted: files in folders")
+        if folder.is_symlink():
+            raise DiffError(
+                f"{section.path}: outside the tree: {folder.relative_to(out)} is a folder link to "
+                f"{folder.resolve()}; accepted: files whose folders are the tree's own"
+            )
+    if not folder.resolve().is_relative_to(tree):
+        raise DiffError(f"{section.path}: outside the tree ({folder.resolve()} is not under {tree})")
+
+
 def make_real(out: Path, stock: Path, section: FilePatch) -> Path:
     """The tree's file for ``section``, a real file (a copy of the installed one) where it was a link."""
     target = out / section.path
+    folder_in_tree(out, section)
+    if target.is_dir():
+        raise DiffError(f"{section.path}: a folder (its link or its own); accepted: files")
     if section.new:
         if target.exists() or target.is_symlink():
             raise DiffError(f"{section.path}: the diff adds it (--- /dev/null), but vLLM has it")
@@ -133,6 +161,60 @@ def make_real(out: Path, stock: Path, section: FilePatch) -> Path:
         target.unlink()
         shutil.copy2(stock / Path(section.path).relative_to("vllm"), target)
     return target
+
+
+def files_the_port_imports(out: Path) -> dict[str, int]:
+    """Each tree file (vllm/...) the tree's port file imports by an absolute ``vllm`` import -> its line."""
+    port = out / PORT_FILE
+    if not port.is_file():
+        return {}
+    try:
+        tree = ast.parse(port.read_bytes())
+    except (SyntaxError, ValueError):
+        return {}  # the suite names a port that does not parse when it loads it
+    imported: dict[str, int] = {}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            if name.split(".")[0] == "vllm":
+                base = name.replace(".", "/")
+                for path in (f"{base}.py", f"{base}/__init__.py"):
+                    imported.setdefault(path, node.lineno)
+    return imported
+
+
+def removed_imports(out: Path, sections: list[FilePatch]) -> list[str]:
+    """The ``error:`` lines of files the diff removes that the port imports (or the port itself)."""
+    imported = files_the_port_imports(out)
+    errors = []
+    for path in dict.fromkeys(section.path for section in sections if section.removed):
+        if (out / path).exists():
+            continue  # added again later in the diff
+        if path == PORT_FILE:
+            errors.append(f"{path}: the diff removes the port itself; accepted: a diff that keeps it")
+        elif path in imported:
+            errors.append(
+                f"{path}: the diff removes it, but the port ({PORT_FILE}) imports it (line {imported[path]}); "
+                "accepted: a diff that keeps the files the port imports"
+            )
+    return errors
+
+
+def diff_text(diff: Path) -> str:
+    """The diff's text: UTF-8 (vLLM's sources are), else the line and byte that are not."""
+    data = diff.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DiffError(
+            f"{diff}: line {line}: byte 0x{data[exc.start]:02x} is not UTF-8; accepted: a diff in UTF-8 "
+            "(as vLLM's sources are)"
+        ) from None
 
 
 def apply(out: Path, stock: Path, section: FilePatch) -> list[str]:
@@ -154,9 +236,12 @@ def main(argv: list[str]) -> int:
         return 2
     out, stock, diff = (Path(arg) for arg in argv)
     try:
-        sections = split_diff(diff.read_text())
+        sections = split_diff(diff_text(diff))
         errors = [error for section in sections for error in apply(out, stock, section)]
+        errors = errors or removed_imports(out, sections)
     except DiffError as exc:
+        errors = [str(exc)]
+    except OSError as exc:  # a file the tree or the diff cannot give (permissions, a full disk)
         errors = [str(exc)]
     for error in errors:
         print(f"error: {error}", file=sys.stderr)

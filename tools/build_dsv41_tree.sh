@@ -11,10 +11,16 @@
 # repository (--- a/vllm/... +++ b/vllm/..., new files from /dev/null); the
 # seed's one file (baked-ours/models/deepseek_v4_1/...) maps to
 # vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py (apply_diff.py's
-# SEED_PATHS). A hunk that does not apply is an error naming its file and @@
-# line: exit 2, and no tree is left. A tree of your own is not built: run the
-# suite with PYTHONPATH=YOUR_TREE. Run the suite with PYTHONPATH=OUT_DIR so
-# this tree shadows the installed one.
+# SEED_PATHS). The tree is built in a folder beside OUT_DIR and moved to
+# OUT_DIR/vllm (replacing an earlier one; OUT_DIR's other files stay) only when
+# every hunk applied. A hunk that does not apply is an error naming its file
+# and @@ line: exit 2, and OUT_DIR is left as it was; so is any refusal: an
+# OUT_DIR that is, holds or lies inside the installed vLLM, a file reached
+# through a folder link, a diff that removes a file the port imports, odd
+# paths and bytes that are not UTF-8 (apply_diff.py). Nothing outside OUT_DIR
+# is written or deleted. A tree of your own is not built: run the suite with
+# PYTHONPATH=YOUR_TREE. Run the suite with PYTHONPATH=OUT_DIR so this tree
+# shadows the installed one.
 #
 # The seed diff imports three diagnostics-only names from the DCP2 stack's
 # version of model_executor/kernels/attention/dsa/candidate_blocks.py that
@@ -29,7 +35,7 @@ DIFF=${2:-$ROOT/../shared/seeds/002_ce6637cb7dfa2225.txt}
 VENV=${3:-$ROOT/.venv}
 COMPANION=vllm/model_executor/kernels/attention/dsa/candidate_blocks.py
 
-src=$("$VENV/bin/python" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))' 2>/dev/null) || {
+src=$("$VENV/bin/python" -c 'import os, vllm; print(os.path.realpath(os.path.dirname(vllm.__file__)))' 2>/dev/null) || {
   echo "error: no vLLM in $VENV (run tools/install_vllm_cpu.sh $VENV first)" >&2
   exit 2
 }
@@ -39,24 +45,44 @@ if [ -d "$DIFF" ]; then
 fi
 [ -f "$DIFF" ] || { echo "error: no diff at $DIFF" >&2; exit 2; }
 
-rm -rf "$OUT/vllm"
-mkdir -p "$OUT"
-cp -rs "$src" "$OUT/vllm"
-find "$OUT/vllm" -name __pycache__ -prune -exec rm -rf {} +
+# Nothing outside OUT is ever deleted or written: an OUT that is, holds or lies inside the
+# installed vLLM would have its replaced vllm/ be (or hold) the install itself.
+out=$(realpath -m -- "$OUT")
+case "$src/" in "${out%/}/"*) overlap=yes ;; *) overlap=no ;; esac
+case "$out/" in "$src/"*) overlap=yes ;; esac
+if [ "$overlap" = yes ]; then
+  echo "error: $OUT is, holds or lies inside the vLLM it mirrors ($src); accepted: a folder apart from it, e.g. build/dsv41-tree" >&2
+  exit 2
+fi
+if [ -e "$out" ] && [ ! -d "$out" ]; then
+  echo "error: $OUT is a file; accepted: a folder that exists or can be made" >&2
+  exit 2
+fi
+parent=$(dirname -- "$out")
+mkdir -p -- "$parent" 2>/dev/null || { echo "error: cannot make $parent; accepted: a folder that exists or can be made" >&2; exit 2; }
 
-# A half-patched tree would be checked as if it were the port: on any refusal none is left.
-"$VENV/bin/python" "$ROOT/tools/apply_diff.py" "$OUT" "$src" "$DIFF" || {
-  status=$?
-  rm -rf "$OUT/vllm"
-  exit "$status"
-}
+# The tree is built beside OUT and swapped in only when every hunk applied: a half-patched tree
+# would be checked as if it were the port, and OUT (its earlier tree, the user's files) stays whole.
+work=$(mktemp -d -- "$parent/.$(basename -- "$out").building.XXXXXX")
+trap 'rm -rf -- "$work"' EXIT
+trap 'exit 130' INT TERM HUP
+cp -rs "$src" "$work/vllm"
+find "$work/vllm" -name __pycache__ -prune -exec rm -rf {} +
 
-if ! grep -q "_PREFILL_TIMING" "$OUT/$COMPANION"; then
+"$VENV/bin/python" "$ROOT/tools/apply_diff.py" "$work" "$src" "$DIFF" || exit $?
+
+# Where the diff removed the companion, the port does not import it (apply_diff.py refuses that).
+companion="$work/$COMPANION"
+if [ -f "$companion" ] && ! grep -q "_PREFILL_TIMING" "$companion"; then
+  case "$(realpath -- "$(dirname -- "$companion")")/" in
+    "$work/"*) ;;
+    *) echo "error: $COMPANION: outside the tree (its folder is a link); accepted: a vLLM whose folders are its own" >&2; exit 2 ;;
+  esac
   # Append to a copy: through the link it would change the installed vLLM.
-  if [ -L "$OUT/$COMPANION" ]; then
-    cp --remove-destination "$src/${COMPANION#vllm/}" "$OUT/$COMPANION"
+  if [ -L "$companion" ]; then
+    cp --remove-destination "$src/${COMPANION#vllm/}" "$companion"
   fi
-  cat >>"$OUT/$COMPANION" <<'PY'
+  cat >>"$companion" <<'PY'
 
 
 # ---- dcpcheck: no-op stand-ins for the DCP2 stack's prefill timing (diagnostics only) ----
@@ -78,4 +104,10 @@ def prefill_acc_add(*args, **kwargs):
     return None
 PY
 fi
+
+mkdir -p -- "$out"
+if [ -e "$out/vllm" ] || [ -L "$out/vllm" ]; then
+  mv -- "$out/vllm" "$work/earlier"  # removed with $work on exit
+fi
+mv -- "$work/vllm" "$out/vllm"
 echo "DCP2 tree in $OUT (PYTHONPATH=$OUT) from $DIFF"
