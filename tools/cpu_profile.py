@@ -29,13 +29,13 @@ from pathlib import Path
 # What a frame's function is, from py-spy's "function (path:line)".
 NESTED_JIT_CALL = "InterpretedFunction.__call__"  # a @triton.jit function called from a kernel
 # One launch: its body runs once per program instance, or once for all of
-# them where dcpcheck/interpreter_grids.py vectorises it.
+# them where dcpcheck/triton_interpreter/vectorised_launches.py vectorises it.
 KERNEL_LAUNCHES = ("GridExecutor.__call__", "_vectorised_call")
 # As shipped, the interpreter swaps triton.language for its own at each call of
-# either; dcpcheck's shortcut (dcpcheck/interpreter_patching.py) takes its place
+# either; dcpcheck's shortcut (dcpcheck/triton_interpreter/language_shortcut.py) takes its place
 # and patches once per process: at later calls its frame alone, an O(1) check.
 PATCH_LANG = ("_patch_lang", "keep_lang_patched")
-SHORTCUT_FILE = "dcpcheck/interpreter_patching.py"
+SHORTCUT_FILE = "dcpcheck/triton_interpreter/language_shortcut.py"
 CASE_FRAMES = ("run_rank_case", "pytest_runtest_call", "pytest_runtest_setup")
 IMPORT_FRAME = "_find_and_load"
 PROCESS_FRAME = re.compile(r'process \d+:"(.*?)"(?=;|$)')  # py-spy --subprocesses: one per process, outermost first

@@ -17,8 +17,6 @@ from functools import cache
 from pathlib import Path
 
 from dcpcheck.impls.protocol import CAPABILITIES
-from dcpcheck.interpreter_grids import vectorise_listed_kernels
-from dcpcheck.interpreter_patching import patch_language_once_per_process
 
 
 class ImplSpecError(ValueError):
@@ -128,12 +126,7 @@ def _built_in(spec: str, build):
 @cache
 def load_implementation(spec: str):
     """The implementation object for ``spec`` (cached per process)."""
-    impl = _load(spec)
-    # Every process that runs an implementation loads it here first, after
-    # triton's interpreter mode is chosen (TRITON_INTERPRET is read at import).
-    patch_language_once_per_process()
-    vectorise_listed_kernels()
-    return impl
+    return _load(spec)
 
 
 USAGE_ERROR_EXIT = 4  # pytest's exit code for a usage error

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from dcpcheck import triton_interpreter
 from dcpcheck.plugin.impl_answers import declaration_error, raised_while_loading
 from dcpcheck.plugin.options import (
     case_timeout,
@@ -108,6 +109,10 @@ def pytest_configure(config):
         raise pytest.UsageError(str(exc)) from None
     # Every option is checked before the implementation is loaded: a usage error costs no import.
     timeout, start_timeout = case_timeout(config), startup_timeout(config)
+    try:
+        triton_interpreter.as_shipped_requested()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
     device_type = resolve_device(config.getoption("device"))
     if device_type == "cpu":
@@ -126,6 +131,7 @@ def pytest_configure(config):
     unreadable = declaration_error(spec, impl)
     if unreadable:
         raise pytest.UsageError(unreadable)
+    triton_interpreter.install()  # after the load, which imports triton; ranks install theirs as they load it
 
     session = DcpSession(
         spec,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck import triton_interpreter
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
 from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
 from dcpcheck.plugin.session import SESSION
@@ -60,6 +61,7 @@ def write_stage_table(terminalreporter, config) -> None:
             f"impl={session.impl_spec} device={session.describe_devices()} "
             f"mode={session.mode.name} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
+        terminalreporter.write_line(triton_interpreter.install().header_line())
         describe = getattr(session.impl, "describe", None)
         if callable(describe):
             # What the implementation runs here (e.g. which kernel stands in for one that cannot run).

@@ -156,12 +156,14 @@ def _load_impl(spec: str, device: str) -> bool:
     """Load the implementation every rank runs: -> whether that initialised
     CUDA's driver (only a CUDA pool's ranks are harmed by it). What it raises
     is left to the ranks, which report it with its traceback on first use."""
+    from dcpcheck import triton_interpreter
     from dcpcheck.impls.registry import load_implementation
 
     try:
         load_implementation(spec)
     except Exception:  # noqa: BLE001 - each rank loads it again and reports the error
         pass
+    triton_interpreter.install()  # the ranks forked from here inherit it
     if device == "cpu":
         return False
     from dcpcheck.ranks.cuda_driver import driver_initialised

@@ -24,16 +24,16 @@ RAW = "\n".join(
         KERNEL + "InterpretedFunction.__call__ (triton/runtime/interpreter.py:1698);"
         "_patch_lang (triton/runtime/interpreter.py:1349) 2",
         KERNEL + "InterpretedFunction.__call__ (triton/runtime/interpreter.py:1698);"
-        "keep_lang_patched (dcpcheck/interpreter_patching.py:138) 1",
+        "keep_lang_patched (dcpcheck/triton_interpreter/language_shortcut.py:138) 1",
         KERNEL + "binary_op (triton/runtime/interpreter.py:700) 5",
         LAUNCH + "getfullargspec (inspect.py:1300) 2",
         LAUNCH
-        + "keep_lang_patched (dcpcheck/interpreter_patching.py:138);Shortcut.patch (dcpcheck/interpreter_patching.py:73);"
+        + "keep_lang_patched (dcpcheck/triton_interpreter/language_shortcut.py:138);Shortcut.patch (dcpcheck/triton_interpreter/language_shortcut.py:73);"
         "_patch_lang (triton/runtime/interpreter.py:1349) 1",
         RANK + "<module> (dcpcheck/ranks/worker.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 4",
         CASE + "sparse_attention (dcpcheck/oracle/attention.py:40) 2",
         CASE
-        + "Vectoriser.call (dcpcheck/interpreter_grids.py:100);_vectorised_call (dcpcheck/interpreter_grids.py:200);"
+        + "Vectoriser.call (dcpcheck/triton_interpreter/vectorised_launches.py:100);_vectorised_call (dcpcheck/triton_interpreter/vectorised_launches.py:200);"
         "_dcp_a2a_unpack_combine_kernel (vllm/v1/attention/ops/dcp.py:725);binary_op (triton/runtime/interpreter.py:700) 4",
         'process 20:"python -m tests.selftest.session_probe cases.json";main (session_probe.py:9) 3',
         'process 30:"python -m dcpcheck.ranks.zygote_server --fd 15";process 31:"python -m dcpcheck.ranks.zygote_server";'

@@ -1,4 +1,4 @@
-"""Vectorised launches under Triton's interpreter (``dcpcheck/interpreter_grids.py``):
+"""Vectorised launches under Triton's interpreter (``dcpcheck/triton_interpreter/vectorised_launches.py``):
 a listed kernel's programs run in one pass, bitwise as the interpreter as
 shipped runs them one by one; a kernel whose programs depend on each other's
 order, branch on a runtime value or reach an op not run for all programs at
@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpcheck.interpreter_grids import vectorise_listed_kernels
 from dcpcheck.port.triton_env import INTERPRETED
 from tests.selftest.test_interpreter_patching import installed_where_patched
 
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to r
 
 @pytest.fixture
 def vectoriser(monkeypatch):
-    installed = installed_where_patched(vectorise_listed_kernels)
+    installed = installed_where_patched("vectoriser")
     kernels = (_scaled_rows, _running_count, _rows_as_columns, _skip_flagged, _row_stats)
     names = {f"{kernel.fn.__module__}.{kernel.fn.__qualname__}" for kernel in kernels}
     monkeypatch.setattr(installed, "kernels", installed.kernels | names)
@@ -153,7 +152,7 @@ def test_a_later_launch_that_fails_vectorised_is_undone_and_run_as_shipped(vecto
 
 def test_the_vectorised_ops_are_in_place_only_while_a_vectorised_launch_runs(vectoriser, monkeypatch):
     """Every other kernel (the port's) runs on the interpreter's ops as shipped, without a wrapper's cost."""
-    from dcpcheck import interpreter_grids
+    from dcpcheck.triton_interpreter import vectorised_launches
 
     patches = vectoriser.ops.patches
 
@@ -162,13 +161,13 @@ def test_the_vectorised_ops_are_in_place_only_while_a_vectorised_launch_runs(vec
 
     shipped, replacements = [patch[2] for patch in patches], [patch[3] for patch in patches]
     seen = []
-    vectorised_call = interpreter_grids._vectorised_call
+    vectorised_call = vectorised_launches._vectorised_call
 
     def seeing(*args):
         seen.append(ops_now())
         return vectorised_call(*args)
 
-    monkeypatch.setattr(interpreter_grids, "_vectorised_call", seeing)
+    monkeypatch.setattr(vectorised_launches, "_vectorised_call", seeing)
     assert ops_now() == shipped
     run = _launch(_scaled_rows, (3,), torch.zeros(3, 8), torch.randn(3, 8), 0.5, D=8)
     run(), run()  # the first launch checked against the shipped run, the second vectorised only

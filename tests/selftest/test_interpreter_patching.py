@@ -1,4 +1,4 @@
-"""dcpcheck's shortcut through Triton's interpreter (``dcpcheck/interpreter_patching.py``):
+"""dcpcheck's shortcut through Triton's interpreter (``dcpcheck/triton_interpreter/language_shortcut.py``):
 ``triton.language`` is patched once per process, at its first launch, and kept
 patched; no later launch or nested ``@triton.jit`` call patches or restores it,
 and every port kernel's outputs are bitwise those of the interpreter as shipped."""
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcpcheck.interpreter_patching import PATCHED_VERSIONS, patch_language_once_per_process
+from dcpcheck import triton_interpreter
 from dcpcheck.port.triton_env import INTERPRETED
 from dcpcheck.ranks.input_guard import as_bits
 from tests.selftest.test_interpreter_kernels import CHECKS, check_stage1
@@ -21,21 +21,23 @@ from tests.selftest.test_interpreter_kernels import CHECKS, check_stage1
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to run the kernels under the interpreter")
 
 
-def installed_where_patched(install):
-    """``install()``'s answer; a skip under a Triton version dcpcheck leaves as shipped, and a failure where it
-    patches this version and ``install()`` installed nothing."""
-    if not triton.__version__.startswith(PATCHED_VERSIONS):
-        pytest.skip(
-            f"triton {triton.__version__}'s interpreter runs as shipped: PATCHED_VERSIONS is {PATCHED_VERSIONS}"
-        )
-    installed = install()
-    assert installed is not None, f"{install.__name__}() installed nothing under triton {triton.__version__}"
-    return installed
+def installed_where_patched(patch: str):
+    """The installed ``patch`` (an attribute of :class:`~dcpcheck.triton_interpreter.Installation`); a skip
+    under a Triton version dcpcheck leaves as shipped or where the run asks for it as shipped, and a failure
+    where it patches this version and :func:`~dcpcheck.triton_interpreter.install` installed nothing."""
+    pinned, opt_out = triton_interpreter.PINNED_VERSIONS, triton_interpreter.AS_SHIPPED_ENV
+    if triton.__version__ not in pinned:
+        pytest.skip(f"triton {triton.__version__}'s interpreter runs as shipped: PINNED_VERSIONS is {pinned}")
+    if triton_interpreter.as_shipped_requested():
+        pytest.skip(f"{opt_out}=1: the interpreter runs as shipped")
+    installation = triton_interpreter.install()
+    assert installation.as_shipped is None, installation.header_line()
+    return getattr(installation, patch)
 
 
 @pytest.fixture
 def shortcut():
-    return installed_where_patched(patch_language_once_per_process)
+    return installed_where_patched("shortcut")
 
 
 def _language_patching(owner, name: str, run) -> tuple[list, int]:

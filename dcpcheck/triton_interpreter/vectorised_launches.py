@@ -31,8 +31,8 @@ Guards, so that what a kernel computes does not change:
   exception restores them and the launch, and every later one of its
   specialisation, runs as shipped.
 
-Installed with the language shortcut (:mod:`dcpcheck.interpreter_patching`),
-under the same Triton versions; ``tests/selftest/test_interpreter_grids.py``
+Installed with the language shortcut (:mod:`.language_shortcut`) by
+:func:`dcpcheck.triton_interpreter.install`; ``tests/selftest/test_interpreter_grids.py``
 checks both guards and, where vLLM imports, each listed kernel against the
 interpreter as shipped.
 """
@@ -44,8 +44,6 @@ import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-from dcpcheck.interpreter_patching import interpreter_to_patch
 
 VECTORISED_KERNELS = (
     "vllm.v1.attention.ops.dcp._dcp_a2a_pack_send_kernel",
@@ -91,7 +89,7 @@ def _program_ids():
 
 @dataclass
 class Vectoriser:
-    """What :func:`vectorise_listed_kernels` installed, and what it learnt."""
+    """What :func:`install` installed, and what it learnt."""
 
     shipped_call: object  # GridExecutor.__call__ as shipped
     kernels: frozenset[str]  # module.qualname of each kernel run vectorised
@@ -374,13 +372,9 @@ def _vectorised_reduce(shipped):
     return apply_impl
 
 
-def vectorise_listed_kernels(kernels: tuple[str, ...] = VECTORISED_KERNELS) -> Vectoriser | None:
-    """Install vectorised launches for ``kernels`` in this process (idempotent) -> what was installed;
-    ``None``, changing nothing, where :func:`~dcpcheck.interpreter_patching.interpreter_to_patch` finds nothing
-    to patch."""
-    interpreter = interpreter_to_patch()
-    if interpreter is None:
-        return None
+def install(interpreter, kernels: tuple[str, ...] = VECTORISED_KERNELS) -> Vectoriser:
+    """Install vectorised launches for ``kernels`` in ``interpreter`` (``triton.runtime.interpreter``;
+    idempotent) -> what was installed."""
     installed = getattr(interpreter, "_dcpcheck_vectoriser", None)
     if installed is not None:
         return installed

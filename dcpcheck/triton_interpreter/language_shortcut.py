@@ -7,7 +7,7 @@ every nested ``@triton.jit`` call (a port helper, or Triton's own ``tl.sum``,
 ``tl``, ``tl.tensor`` and ``tl.math`` (``reports/cpu_profile.md``). The patch
 is the same every time: the builtins wrapped to run on the interpreter's one
 builder, Python stand-ins for ``range``, ``reduce`` and the like.
-:func:`patch_language_once_per_process` has Triton's own ``_patch_lang`` patch
+:func:`install` has Triton's own ``_patch_lang`` patch
 both ``tl`` and ``tl.core`` at the process's first launch and keeps that patch
 for the life of the process: later launches and nested calls patch nothing and
 restore nothing. What a kernel computes does not change:
@@ -37,8 +37,8 @@ quarter of a small kernel's launch. The interpreter's builder
 from the table, and a tensor of a kept type, or of a scalar type, takes its
 shape and numel without building them.
 
-Only the Triton versions named in ``PATCHED_VERSIONS`` are patched, those whose
-interpreter was read for this; under any other the interpreter runs as shipped.
+Installed by :func:`dcpcheck.triton_interpreter.install`, which decides
+whether this Triton is patched at all.
 """
 
 from __future__ import annotations
@@ -46,14 +46,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-PATCHED_VERSIONS = ("3.9.",)
 
 
 class _NothingToRestore:
@@ -140,7 +136,7 @@ def _type_key(ty):
 
 @dataclass
 class Shortcut:
-    """What :func:`patch_language_once_per_process` replaced, and the patch it keeps."""
+    """What :func:`install` replaced, and the patch it keeps."""
 
     patch_lang: Callable  # triton.runtime.interpreter._patch_lang as shipped
     get_np_dtype: Callable  # triton.runtime.interpreter._get_np_dtype as shipped
@@ -226,29 +222,10 @@ def _np_dtype_per_type(get_np_dtype: Callable) -> Callable:
     return np_dtype_of
 
 
-def interpreter_to_patch():
-    """``triton.runtime.interpreter`` where dcpcheck patches it: under
-    ``TRITON_INTERPRET=1``, once something imported triton, at a Triton
-    version in ``PATCHED_VERSIONS``; else ``None``."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
-        return None  # nothing is interpreted, or nothing here imported triton (patching would import it)
-    import triton
-
-    if not triton.__version__.startswith(PATCHED_VERSIONS):
-        return None
-    from triton.runtime import interpreter
-
-    return interpreter
-
-
-def patch_language_once_per_process() -> Shortcut | None:
-    """Install the shortcut in this process (idempotent); -> what it replaced.
-
-    The language itself is patched at the first launch after this. ``None``,
-    changing nothing, where :func:`interpreter_to_patch` finds nothing to patch."""
-    interpreter = interpreter_to_patch()
-    if interpreter is None:
-        return None
+def install(interpreter) -> Shortcut:
+    """Install the shortcut in ``interpreter`` (``triton.runtime.interpreter``;
+    idempotent) -> what it replaced. The language itself is patched at the
+    first launch after this."""
     installed = getattr(interpreter, "_dcpcheck_shortcut", None)
     if installed is not None:
         return installed
