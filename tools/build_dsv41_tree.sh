@@ -63,7 +63,10 @@ mkdir -p -- "$parent" 2>/dev/null || { echo "error: cannot make $parent; accepte
 
 # The tree is built beside OUT and swapped in only when every hunk applied: a half-patched tree
 # would be checked as if it were the port, and OUT (its earlier tree, the user's files) stays whole.
-work=$(mktemp -d -- "$parent/.$(basename -- "$out").building.XXXXXX")
+work=$(mktemp -d -- "$parent/.$(basename -- "$out").building.XXXXXX" 2>/dev/null) || {
+  echo "error: cannot make a folder in $parent to build in beside $OUT; accepted: an OUT_DIR whose folder is writable" >&2
+  exit 2
+}
 trap 'rm -rf -- "$work"' EXIT
 trap 'exit 130' INT TERM HUP
 cp -rs "$src" "$work/vllm"

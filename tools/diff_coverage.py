@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,10 +158,21 @@ def parse_problem(path: Path) -> str | None:
     return None
 
 
+def python_source(path: Path) -> str:
+    """The file's text in the encoding it declares (PEP 263; UTF-8 if none), as Python reads it."""
+    try:
+        with tokenize.open(path) as source:
+            return source.read()
+    except (SyntaxError, UnicodeDecodeError) as exc:  # an unknown encoding, bytes not of the declared one
+        raise UsageError(
+            f"{path}: not Python source in its declared encoding ({exc}); accepted: Python files in the encoding they declare, UTF-8 if none"
+        ) from None
+
+
 def changed_lines(changed: ChangedFile) -> set[int]:
     """Line numbers of the tree's file that the diff adds or replaces (not the build script's stand-ins)."""
-    new = changed.own.read_text().splitlines()
-    old = changed.stock.read_text().splitlines() if changed.stock else []
+    new = python_source(changed.own).splitlines()
+    old = python_source(changed.stock).splitlines() if changed.stock else []
     build_part = next((n for n, line in enumerate(new, 1) if line.startswith(BUILD_MARKER)), len(new) + 1)
     matcher = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
     lines = {
@@ -186,7 +198,7 @@ def diff_statements(changed: ChangedFile) -> list[Line]:
     """The statements the diff adds or changes (a changed continuation line counts as its statement)."""
     from coverage.python import PythonParser
 
-    source = changed.own.read_text()
+    source = python_source(changed.own)
     parser = PythonParser(text=source, filename=str(changed.own))
     parser.parse_source()
     firsts = {parser.first_line(n) for n in changed_lines(changed)} & parser.statements

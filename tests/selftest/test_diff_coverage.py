@@ -232,3 +232,23 @@ def test_a_tree_without_links_to_vllm_is_a_one_line_usage_error(tmp_path, capsys
     assert line.endswith(
         f"--tree {tmp_path / 'tree'}: no vllm/ of links to an installed vLLM (build one with tools/build_dsv41_tree.sh)"
     )
+
+
+def test_a_file_in_the_encoding_it_declares_is_read_as_python_reads_it(tree, tmp_path, capsys):
+    latin = "vllm/v1/attention/ops/latin.py"
+    (tree / latin).write_bytes(b'# -*- coding: latin-1 -*-\ndef name():\n    return "caf\xe9"\n')
+    data_dir = tmp_path / "data"
+    record(data_dir, {"tests/stage1_index/test_x.py::test_y[W2]": {tree / latin: [3]}})
+    assert main(["report", "--tree", str(tree), "--data", str(data_dir)]) == 0
+    report = capsys.readouterr().out
+    assert f"| `{latin}` | 1 | 1 | 100 | 0 | 1 | 1 | 1 |" in report  # the def, at module level, not run
+    assert "| 2 | - | `def name():` | UNEXPLAINED |" in report
+
+
+def test_a_file_not_in_the_encoding_it_declares_is_a_one_line_usage_error(tree, tmp_path, capsys):
+    (tree / OTHER_FILE).write_bytes(b"# -*- coding: ascii -*-\nNAME = 'caf\xe9'\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["report", "--tree", str(tree), "--data", str(tmp_path)])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"--tree {tree}: {OTHER_FILE} does not parse" in line
