@@ -53,8 +53,9 @@ pytest.register_assert_rewrite("dcpcheck.plugin")
 from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
 
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
+from dcpcheck.plugin import junit_properties as prop  # noqa: E402
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
-from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY, PHASE_PROPERTIES  # noqa: E402
+from dcpcheck.stages import E2E_TEST_DIR, STAGE_TEST_DIRS, SUITE_TEST_DIRS  # noqa: E402
 
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 SLOWEST_SHOWN = 8  # test modules listed by their cases' seconds
@@ -92,10 +93,8 @@ class Session:
 
 POOL_STEPS = (
     Step("harness", ("tests/selftest",)),
-    Step("stage1", ("tests/stage1_index",)),
-    Step("stage3", ("tests/stage3_combine",)),
-    Step("stage9", ("tests/stage9_prefill",)),
-    Step("e2e", ("tests/e2e",)),
+    *(Step(f"stage{stage}", (folder,)) for stage, folder in STAGE_TEST_DIRS.items()),
+    Step("e2e", (E2E_TEST_DIR,)),
     Step("realistic", ("tests/gpu/test_*.py",)),
 )
 # A session hands its files to the xdist workers in command-line order
@@ -114,7 +113,7 @@ LONGEST_FIRST = (
     "tests/stage3_combine/test_combine.py",
     "tests/stage1_index/test_partition.py",
 )
-STAGE_PATHS = ("tests/stage1_index", "tests/stage3_combine", "tests/stage9_prefill", "tests/e2e")
+STAGE_PATHS = SUITE_TEST_DIRS
 # Under torchrun the stage tests and the realistic ones (about as long, serial
 # either way) run as two jobs side by side.
 TORCHRUN_STEPS = (Step("torchrun", STAGE_PATHS), Step("torchrun-gpu", ("tests/gpu",)))
@@ -284,11 +283,12 @@ class Row:
 
     def add_measures(self, props: dict) -> None:
         """A case's worst errors and GPU peak (one that ran its checks to the end: passed or XPASS)."""
-        if "dcp_worst_ratio" in props:
-            self.worst_ratios.append(float(props["dcp_worst_ratio"]))
-        if "dcp_max_abs_err" in props:
-            self.max_abs_errs.append(float(props["dcp_max_abs_err"]))
-        peaks = [int(v) for k, v in props.items() if k.startswith(GPU_PEAK_PROPERTY)]
+        worst_ratio, max_abs_err = (prop.measured(key) for key in prop.WORST_ERROR_KEYS)
+        if worst_ratio in props:
+            self.worst_ratios.append(float(props[worst_ratio]))
+        if max_abs_err in props:
+            self.max_abs_errs.append(float(props[max_abs_err]))
+        peaks = [int(v) for k, v in props.items() if k.startswith(prop.GPU_PEAK_PREFIX)]
         self.gpu_peak_bytes = max([self.gpu_peak_bytes, *peaks])
 
 
@@ -299,7 +299,7 @@ class Phases:
 
     cases: int = 0
     seconds: float = 0.0  # the cases' own durations (JUnit), pool starts and compiles included
-    totals: dict = field(default_factory=lambda: dict.fromkeys(PHASE_PROPERTIES, 0.0))
+    totals: dict = field(default_factory=lambda: dict.fromkeys(prop.PHASES, 0.0))
     modules: dict = field(default_factory=lambda: defaultdict(float))  # test module -> its cases' seconds
 
     @property
@@ -313,9 +313,9 @@ def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str, str]:
     none)."""
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
     name = case.get("name", "")
-    world = props.get("dcp_world_size") or next(iter(re.findall(r"[\[-]W(\d+)[-\]]", name)), "-")
-    backend = props.get("dcp_backend") or next(iter(re.findall(r"\b(ag_rs|a2a)\b", name)), "-")
-    return step, props.get("dcp_stage", "harness"), world, backend, props.get("dcp_ranks", "-")
+    world = props.get(prop.WORLD_SIZE) or next(iter(re.findall(r"[\[-]W(\d+)[-\]]", name)), "-")
+    backend = props.get(prop.BACKEND) or next(iter(re.findall(r"\b(ag_rs|a2a)\b", name)), "-")
+    return step, props.get(prop.STAGE, "harness"), world, backend, props.get(prop.RANKS, "-")
 
 
 def step_of(case: ET.Element, step_paths: dict[str, list[str]]) -> str | None:
@@ -349,8 +349,8 @@ def summarize(
             step_phases.cases += 1
             step_phases.seconds += float(case.get("time") or 0.0)
             step_phases.modules[case.get("classname", "").split("::")[0]] += float(case.get("time") or 0.0)
-            for phase in PHASE_PROPERTIES:
-                step_phases.totals[phase] += float(props.get(f"dcp_{phase}", 0.0))
+            for phase in prop.PHASES:
+                step_phases.totals[phase] += float(props.get(prop.measured(phase), 0.0))
             row = rows[case_key(step, case)]
             skipped = case.find("skipped")
             if case.find("failure") is not None or case.find("error") is not None:
@@ -377,8 +377,7 @@ def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, 
     if session.torchrun or not ran_cases:
         return None
     totals = {
-        phase: sum(phases[s.name].totals[phase] for s in session.steps if s.name in phases)
-        for phase in PHASE_PROPERTIES
+        phase: sum(phases[s.name].totals[phase] for s in session.steps if s.name in phases) for phase in prop.PHASES
     }
     needed = ("pool_start_s", "cuda_init_s") if device == "cuda" else ("pool_start_s",)
     absent = [phase for phase in needed if totals[phase] <= 0]
@@ -389,7 +388,7 @@ def missing_breakdown(session: Session, phases: dict[str, Phases], device: str, 
 
 def phase_totals(phases: dict[str, Phases]) -> str:
     """One line: every step's phases summed (the CI's timing budget, read at a glance)."""
-    totals = {phase: sum(p.totals[phase] for p in phases.values()) for phase in PHASE_PROPERTIES}
+    totals = {phase: sum(p.totals[phase] for p in phases.values()) for phase in prop.PHASES}
     seconds = sum(p.seconds for p in phases.values())
     checking = seconds - totals["pool_start_s"] - totals["compile_s"]
     return (

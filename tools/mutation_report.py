@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # Imported once this checkout is on the path: its dcpcheck, not an installed one.
+from dcpcheck.plugin.junit_properties import STAGE  # noqa: E402
 from dcpcheck.stages import STAGE_ENV, STAGES, SUITE_TEST_DIRS  # noqa: E402
 
 # Stage test dirs in suite order; a mutant's own dir (its ``home``) runs first.
@@ -296,7 +297,7 @@ def read_junit(path: Path) -> list[TestCase]:
     cases = []
     for element in ET.parse(path).getroot().iter("testcase"):
         properties = {p.get("name"): p.get("value") for p in element.iter("property")}
-        stage = int(properties["dcp_stage"]) if "dcp_stage" in properties else None
+        stage = int(properties[STAGE]) if STAGE in properties else None
         outcome, reason = "passed", ""
         for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
             found = element.find(tag)

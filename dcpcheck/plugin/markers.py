@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dcpcheck.impls.protocol import SCENARIO_PROPERTIES
+from dcpcheck.plugin import junit_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session
 from dcpcheck.stages import skip_reason as stage_skip_reason
 
@@ -145,7 +146,7 @@ def pytest_collection_modifyitems(config, items):
             )
         stage_marker = item.get_closest_marker("stage")
         if stage_marker:
-            item.user_properties.append(("dcp_stage", stage_marker.args[0]))
+            item.user_properties.append((junit_properties.STAGE, stage_marker.args[0]))
         reason = _skip_reason(item, session)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -12,6 +12,7 @@ import pytest
 
 from dcpcheck.case_terms import case_terms
 from dcpcheck.impls.protocol import KnownFailure
+from dcpcheck.plugin import junit_properties as prop
 from dcpcheck.plugin.impl_answers import AnswerError, plain_answer
 from dcpcheck.plugin.known_failures import BEHIND_KNOWN_DEFECT, behind_known_defect, declare
 from dcpcheck.plugin.markers import gpu_gib_needed, needed_capabilities, scenario_properties
@@ -46,25 +47,6 @@ class ThreadedCall:
     def stack(self) -> str:
         frame = sys._current_frames().get(self._thread.ident)
         return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(it has just returned)"
-
-
-# Keys of a rank function's stats dict that are worst errors: the largest over
-# the ranks becomes a JUnit property (dcp_<key>) for tools/gpu_ci.py.
-WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
-# JUnit property prefix of a case's peak GPU memory, in bytes, per GPU (dcp_gpu_peak_bytes:cuda:0).
-GPU_PEAK_PROPERTY = "dcp_gpu_peak_bytes:"
-# JUnit properties of where a case's time went, for tools/gpu_ci.py's breakdown:
-# the pool it started (RankPool.startup's keys) and the slowest rank's compiles;
-# how often that start was tried again for want of device memory;
-# and how many idle pools were ended first to free GPU memory for the case.
-PHASE_PROPERTIES = (
-    "pool_start_s",
-    "cuda_init_s",
-    "group_init_s",
-    "compile_s",
-    "out_of_memory_retries",
-    "idle_pools_ended",
-)
 
 
 class DcpRunner:
@@ -132,10 +114,10 @@ class DcpRunner:
             # this reason, a pass as XPASS (the defect may be fixed).
             self._node.add_marker(pytest.mark.xfail(reason=f"known defect of {self.session.impl_spec}: {defect}"))
             declare(self._node, defect)
-        self._node.user_properties.append(("dcp_world_size", self.world_size))
-        self._node.user_properties.append(("dcp_ranks", self.session.placement(self.world_size).describe()))
+        self._node.user_properties.append((prop.WORLD_SIZE, self.world_size))
+        self._node.user_properties.append((prop.RANKS, self.session.placement(self.world_size).describe()))
         if params.get("backend"):
-            self._node.user_properties.append(("dcp_backend", params["backend"]))
+            self._node.user_properties.append((prop.BACKEND, params["backend"]))
         if isinstance(defect, KnownFailure) and defect.cures:
             case = dataclasses.replace(case, first_failure_suffices=True)
         try:
@@ -218,19 +200,19 @@ class DcpRunner:
             return None, f"{asked} raised {describe_exception(exc)} (it is asked before launch, {where})\n{trace}"
 
     def _record_worst_errors(self, values: list) -> None:
-        for key in WORST_ERROR_KEYS:
+        for key in prop.WORST_ERROR_KEYS:
             found = [v[key] for v in values if isinstance(v, dict) and isinstance(v.get(key), (int, float))]
             if found:
-                self._node.user_properties.append((f"dcp_{key}", max(found)))
+                self._node.user_properties.append((prop.measured(key), max(found)))
 
     def _record_phases(self, result) -> None:
         phases = dict(result.pool_startup)
         compiled = max((o.compile_seconds for o in result.outcomes.values()), default=0.0)
         if compiled:  # interpreted kernels (CPU) compile nothing
             phases["compile_s"] = compiled
-        for phase in PHASE_PROPERTIES:
+        for phase in prop.PHASES:
             if phase in phases:
-                self._node.user_properties.append((f"dcp_{phase}", round(phases[phase], 4)))
+                self._node.user_properties.append((prop.measured(phase), round(phases[phase], 4)))
 
     def _record_gpu_peaks(self, result) -> None:
         """Per GPU, the sum of its ranks' peaks (they ran at the same time)."""
@@ -239,7 +221,7 @@ class DcpRunner:
             if outcome.gpu is not None:
                 peaks[outcome.gpu] = peaks.get(outcome.gpu, 0) + outcome.gpu_peak_bytes
         for gpu, peak in sorted(peaks.items()):
-            self._node.user_properties.append((f"{GPU_PEAK_PROPERTY}{gpu}", peak))
+            self._node.user_properties.append((f"{prop.GPU_PEAK_PREFIX}{gpu}", peak))
 
 
 @pytest.fixture

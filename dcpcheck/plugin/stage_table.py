@@ -8,7 +8,7 @@ import pytest
 
 from dcpcheck import triton_interpreter
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
-from dcpcheck.plugin.runner import GPU_PEAK_PROPERTY
+from dcpcheck.plugin.junit_properties import GPU_PEAK_PREFIX, STAGE
 from dcpcheck.plugin.session import SESSION
 from dcpcheck.stages import STAGE_ENV, STAGES
 
@@ -38,10 +38,10 @@ def write_stage_table(terminalreporter, config) -> None:
         for report in terminalreporter.stats.get(outcome, []):
             properties = dict(getattr(report, "user_properties", ()))
             for name, value in properties.items():
-                if name.startswith(GPU_PEAK_PROPERTY):
-                    gpu = name[len(GPU_PEAK_PROPERTY) :]
+                if name.startswith(GPU_PEAK_PREFIX):
+                    gpu = name[len(GPU_PEAK_PREFIX) :]
                     gpu_peaks[gpu] = max(gpu_peaks.get(gpu, 0), value)
-            stage = properties.get("dcp_stage")
+            stage = properties.get(STAGE)
             if stage is None or (report.when != "call" and outcome == "passed"):
                 continue
             if outcome == "skipped":
