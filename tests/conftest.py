@@ -1,40 +1,19 @@
 """``pytest -n 2 --dist loadgroup`` (the README's test command) runs each
-test file as a group on one xdist worker (a file's cases share its module
-fixtures and, per world size, its worker's pools), self-test and stage files
-alike, handed out longest first: whichever worker is free takes the next
-file, so neither idles at the end. A worker's pools are started once per
-world size and serve every group it runs.
-
-``tools/gpu_ci.py`` sets ``DCPCHECK_XDIST_SPREAD=1`` for its many workers:
-then every test file is split by W, each part a group of its own, handed out
-in the order of the command line (it lists the longest first), so that one
-file's world sizes run side by side (each part still builds its scenarios
-once, on one worker). A realistic GPU file is split at W <= 2 (where each
-rank's share of a case is largest) by DeepSeek model too; its memory-heavy
-W = 4 and W = 8 parts stay one each. On one H200 a whole file as one group
-set the wall time (``--dcp-impl vllm``'s ``test_combine.py``, 172 s on one
-worker).
-
-The groups are chosen here, by path, in the scheduler: xdist 3.8's own
-``loadgroup`` marks its groups in the legacy ``_nodeid``, which pytest 9.2
-no longer reads, so ``xdist_group`` marks are silently ignored
-(https://github.com/pytest-dev/pytest-xdist/issues/1386)."""
+test file as a group on one xdist worker, longest first; gpu_ci's many
+workers (``DCPCHECK_XDIST_SPREAD=1``) run each file's world sizes as groups
+of their own. How: :mod:`dcpcheck.plugin.xdist_groups`."""
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Callable
-
 import pytest
 
-GPU_PREFIX = "tests/gpu/"
-SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
+from dcpcheck.plugin.xdist_groups import path_groups_scheduler
 
-
-# Files handed out first, in this order: the longest on 2 CPU cores (their
-# cases' seconds under --durations); the others follow in xdist's order (the
-# most tests first).
+# The cold-start order (no measured durations: a clean clone, or a session
+# whose device and implementation never ran whole): the longest files on 2
+# CPU cores (their cases' seconds under --durations) first; the others follow
+# in xdist's order (the most tests first). Measured durations replace it:
+# dcpcheck/plugin/file_durations.py.
 LONGEST_FILES = (
     "tests/e2e/test_serving_trace.py",
     "tests/selftest/test_session_end.py",
@@ -52,64 +31,8 @@ LONGEST_FILES = (
 )
 
 
-def file_of(nodeid: str) -> str:
-    return nodeid.split("::")[0]
-
-
-def handed_out_first(group: str) -> int:
-    return LONGEST_FILES.index(group) if group in LONGEST_FILES else len(LONGEST_FILES)
-
-
-def spread_group(nodeid: str) -> str:
-    path = file_of(nodeid)
-    world = re.search(r"\[W(\d+)", nodeid)
-    if not world:
-        return path
-    if not path.startswith(GPU_PREFIX) or int(world.group(1)) >= 4:
-        return f"{path} W{world.group(1)}"
-    model = re.search(r"-(v4\.\d)[-\]]", nodeid)
-    return f"{path} W{world.group(1)} {model.group(1) if model else ''}".rstrip()
-
-
-def world_of(group: str) -> int:
-    world = re.search(r" W(\d+)", group)
-    return int(world.group(1)) if world else 0
-
-
-def widest_of_the_first_file(queue) -> Callable[[str], tuple[int, int]]:
-    """Spread groups: the files in queue (command-line) order, and of a file's
-    parts the largest W first (its longest: W ranks on the same cores). A
-    realistic GPU file's parts keep their order (W ascending): handed out
-    widest first, its W = 8, 4 and 2 prefill parts started together and ran
-    an H100 out of memory."""
-    position: dict[str, int] = {}
-    for group in queue:
-        position.setdefault(group.split(" ")[0], len(position))
-
-    def key(group: str) -> tuple[int, int]:
-        path = group.split(" ")[0]
-        return position[path], 0 if path.startswith(GPU_PREFIX) else -world_of(group)
-
-    return key
-
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadgroup":
         return None  # xdist's own
-    from xdist.scheduler import LoadScopeScheduling
-
-    spread = os.environ.get(SPREAD_ENV) == "1"
-
-    class PathGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return spread_group(nodeid) if spread else file_of(nodeid)
-
-        def _assign_work_unit(self, node) -> None:
-            # In place of xdist's order (by test count, unless --no-loadscope-reorder).
-            key = widest_of_the_first_file(self.workqueue) if spread else handed_out_first
-            first = min(self.workqueue, key=key)  # min: the earliest of equals
-            self.workqueue.move_to_end(first, last=False)
-            super()._assign_work_unit(node)
-
-    return PathGroups(config, log)
+    return path_groups_scheduler(config, log, LONGEST_FILES)

@@ -10,7 +10,9 @@ one module per concern:
 * :mod:`.known_failures`: a known defect's case that fails otherwise fails;
 * :mod:`.impl_answers`: what the implementation gives the harness (its
   attributes at session start, its answers before each case), checked;
-* :mod:`.stage_table`: the stage x outcome table at the end of a run.
+* :mod:`.stage_table`: the stage x outcome table at the end of a run;
+* :mod:`.file_durations`: each test file's measured duration, for the
+  schedulers that hand out the longest files first.
 
 Every skip is decided before any rank is launched, from the options, the
 environment and the implementation's capabilities: the same on every rank.
@@ -23,4 +25,5 @@ pytest_plugins = [
     "dcpcheck.plugin.runner",
     "dcpcheck.plugin.known_failures",
     "dcpcheck.plugin.stage_table",
+    "dcpcheck.plugin.file_durations",
 ]

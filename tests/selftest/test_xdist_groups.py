@@ -1,4 +1,4 @@
-"""The xdist groups of ``tests/conftest.py``: under gpu_ci's many workers
+"""The xdist groups of ``dcpcheck/plugin/xdist_groups.py``: under gpu_ci's many workers
 (``DCPCHECK_XDIST_SPREAD=1``) a file's world sizes are groups of their own,
 the largest handed out first, so no whole multi-W file sets the wall time."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tests.conftest import spread_group, widest_of_the_first_file
+from dcpcheck.plugin.xdist_groups import spread_group, widest_of_the_first_file
 
 COMBINE = "tests/stage3_combine/test_combine.py"
 REALISTIC = "tests/gpu/test_stage3_realistic.py"

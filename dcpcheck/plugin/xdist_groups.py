@@ -1,0 +1,95 @@
+"""The xdist groups of the README's ``-n N --dist loadgroup`` and gpu_ci's
+many workers, and the order they are handed out in.
+
+Plain: each test file is one group (a file's cases share its module fixtures
+and, per world size, its worker's pools), handed out longest first: the
+measured order (:mod:`dcpcheck.plugin.file_durations`), else the caller's
+cold-start order; whichever worker is free takes the next file, so neither
+idles at the end. Spread (``DCPCHECK_XDIST_SPREAD=1``, set by
+``tools/gpu_ci.py``): every file is split by W, each part a group of its own,
+handed out in the order of the command line (gpu_ci lists the longest
+first), so that one file's world sizes run side by side (each part still
+builds its scenarios once, on one worker). A realistic GPU file is split at
+W <= 2 (where each rank's share of a case is largest) by DeepSeek model too;
+its memory-heavy W = 4 and W = 8 parts stay one each. On one H200 a whole
+file as one group set the wall time (``--dcp-impl vllm``'s
+``test_combine.py``, 172 s on one worker).
+
+The groups are chosen here, by path, in the scheduler: xdist 3.8's own
+``loadgroup`` marks its groups in the legacy ``_nodeid``, which pytest 9.2
+no longer reads, so ``xdist_group`` marks are silently ignored
+(https://github.com/pytest-dev/pytest-xdist/issues/1386)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+
+from dcpcheck.plugin.file_durations import longest_first, session_durations
+
+GPU_PREFIX = "tests/gpu/"
+SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def spread_group(nodeid: str) -> str:
+    path = file_of(nodeid)
+    world = re.search(r"\[W(\d+)", nodeid)
+    if not world:
+        return path
+    if not path.startswith(GPU_PREFIX) or int(world.group(1)) >= 4:
+        return f"{path} W{world.group(1)}"
+    model = re.search(r"-(v4\.\d)[-\]]", nodeid)
+    return f"{path} W{world.group(1)} {model.group(1) if model else ''}".rstrip()
+
+
+def world_of(group: str) -> int:
+    world = re.search(r" W(\d+)", group)
+    return int(world.group(1)) if world else 0
+
+
+def widest_of_the_first_file(queue) -> Callable[[str], tuple[int, int]]:
+    """Spread groups: the files in queue (command-line) order, and of a file's
+    parts the largest W first (its longest: W ranks on the same cores). A
+    realistic GPU file's parts keep their order (W ascending): handed out
+    widest first, its W = 8, 4 and 2 prefill parts started together and ran
+    an H100 out of memory."""
+    position: dict[str, int] = {}
+    for group in queue:
+        position.setdefault(group.split(" ")[0], len(position))
+
+    def key(group: str) -> tuple[int, int]:
+        path = group.split(" ")[0]
+        return position[path], 0 if path.startswith(GPU_PREFIX) else -world_of(group)
+
+    return key
+
+
+def path_groups_scheduler(config, log, cold_start_order: Sequence[str]):
+    """xdist's scheduler for ``--dist loadgroup``: the groups above, handed out
+    in the order above (``cold_start_order``: the longest files first, for a
+    session without measured durations)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    spread = os.environ.get(SPREAD_ENV) == "1"
+    order = longest_first(session_durations(config), cold_start_order)
+
+    def handed_out_first(group: str) -> int:
+        return order.index(group) if group in order else len(order)
+
+    class PathGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return spread_group(nodeid) if spread else file_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # In place of xdist's order (by test count, unless --no-loadscope-reorder).
+            key = widest_of_the_first_file(self.workqueue) if spread else handed_out_first
+            first = min(self.workqueue, key=key)  # min: the earliest of equals
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return PathGroups(config, log)
