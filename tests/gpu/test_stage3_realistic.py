@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dcpcheck.checks.same_inputs import check_same_inputs
 from dcpcheck.checks.stage1 import filter_on_rank, stage1_slots
 from dcpcheck.compare import assert_close
 from dcpcheck.group import DcpGroup
@@ -21,7 +22,7 @@ from dcpcheck.scenarios.attention import AttentionInputs, build_attention_inputs
 from dcpcheck.scenarios.batch import StepBatch, dcp1_block_table, rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_COMBINE
-from tests.gpu.common import check_same_inputs, oracle_spot_check, profile_name, shared_seed, spot_rows, summary
+from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from dcpcheck.checks.prefill import PrefillStep, port_dcp1, run_layer
+from dcpcheck.checks.same_inputs import check_same_inputs
 from dcpcheck.compare import assert_close
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
 from dcpcheck.scenarios.batch import rank_block_table
 from dcpcheck.scenarios.profiles import PROFILES
 from dcpcheck.stages import STAGE_PREFILL
-from tests.gpu.common import check_same_inputs, oracle_spot_check, profile_name, shared_seed, spot_rows, summary
+from tests.gpu.common import oracle_spot_check, profile_name, shared_seed, spot_rows, summary
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
+from dcpcheck.checks.same_inputs import check_same_inputs, input_sample
 from dcpcheck.scenarios.attention import build_attention_inputs
 from dcpcheck.scenarios.profiles import SMALL
-from tests.gpu.common import check_same_inputs, input_sample
 
 
 class GatherOf:
