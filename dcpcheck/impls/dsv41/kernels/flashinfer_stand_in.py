@@ -38,6 +38,7 @@ import torch
 
 from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
 from dcpcheck.impls.dsv41.kernels.flashinfer_sources import FlashInferSources
+from dcpcheck.impls.dsv41.kernels.record_formats import check_record_formats
 
 MODULE = "flashinfer.mla._core"
 ENTRY = "_trtllm_batch_decode_sparse_mla_sm120"
@@ -154,6 +155,14 @@ class FlashInferCore:
             q_len_per_request=q_len,
             device=query.device,
         )
+        # The runner reads the record the format arguments name (functional_run's resolve_model_type), not the cache's.
+        caches = {"kv_cache": kv_cache}
+        caches.update(
+            (f"sparse_mla_segments[{i}].kv_cache", segment.kv_cache)
+            for i, segment in enumerate(segments)
+            if segment.kv_cache is not None
+        )
+        check_record_formats(call["kv_cache_format"], call["kv_scale_format"], head_dim, caches)
         flat = (batch_size * q_len, num_heads)
         expected_out = (batch_size, q_len, num_heads, head_dim)  # the entry's: head_dim 512
         if out is None:

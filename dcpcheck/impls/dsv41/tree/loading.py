@@ -6,10 +6,12 @@ from the tree's file: what a server started with that environment runs.
 The port's SM120 wrapper (``_sm120_sparse_attention_with_lse``) runs as it is,
 over FlashInfer's ``flashinfer.mla._core`` from the pinned release's source
 (:mod:`.flashinfer_stand_in`: the entry's real signature, the reference kernel
-computing); the DCP1 path's kernel name is bound to :mod:`.reference_kernel`
-(the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches of head dim 512,
-where the driver writes that record scaled down to the case's head dim);
-everything else is the tree's code.
+computing); the DCP1 path's kernel name is FlashInfer's public DSV4 entry from
+the same source (:mod:`.flashinfer_dsv4_entry`: its signature and its SM120
+route's checks, into that SM120 entry), so both paths meet FlashInfer's
+argument checks (the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches of
+head dim 512, where the driver writes that record scaled down to the case's
+head dim); everything else is the tree's code.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.kernels.flashinfer_dsv4_entry import PUBLIC_ENTRY, FlashInferDsv4Entry
 from dcpcheck.impls.dsv41.kernels.flashinfer_sources import FlashInferSourcesError, pinned_sources
 from dcpcheck.impls.dsv41.kernels.flashinfer_stand_in import ENTRY, FlashInferCore, FlashInferSourceError
 from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA, KV_CACHE_DTYPES
@@ -165,6 +167,7 @@ class PortTree:
         # After the tree's own checks: a tree that is not a port is told so first.
         try:
             self.flashinfer = FlashInferCore(pinned_sources())
+            self.dcp1_entry = FlashInferDsv4Entry(self.flashinfer)
         except (FlashInferSourcesError, FlashInferSourceError, SyntaxError) as exc:
             raise PortSpecError(f"FlashInfer's SM120 entry cannot stand in for the port's kernel call: {exc}") from exc
 
@@ -176,7 +179,8 @@ class PortTree:
         return (
             f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
             f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
-            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: the reference"
+            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: FlashInfer's "
+            f"{PUBLIC_ENTRY} (its signature and SM120 route's checks, from the same file) into that entry"
         )
 
     def module(self, environ: dict[str, str]) -> types.ModuleType:
@@ -188,9 +192,13 @@ class PortTree:
             wrapper = getattr(module, SM120_WRAPPER, None)
             if callable(wrapper):
                 setattr(module, SM120_WRAPPER, self._over_flashinfer(wrapper))
-            setattr(module, DCP1_KERNEL, reference_kernel.trtllm_batch_decode_sparse_mla_dsv4)
+            setattr(module, DCP1_KERNEL, self._dcp1_kernel)
             self._modules[key] = module
         return module
+
+    def _dcp1_kernel(self, *args, **kwargs):
+        """FlashInfer's public DSV4 entry, looked up per call: the module is loaded before the entry is built."""
+        return self.dcp1_entry.entry(*args, **kwargs)
 
     def _over_flashinfer(self, wrapper):
         """The port's wrapper, run with FlashInfer's ``flashinfer.mla._core`` standing in for the call;
