@@ -33,7 +33,8 @@ V40_CASES = [
 # DeepSeek-V4.1's ratios on vLLM's 128-token compressed page (64 states at
 # ratio 2), at a --cp-kv-cache-interleave-size of I tokens (S = I / rho
 # states): one state, half a page and a whole page a rank in turn; top-k
-# rows of several 128-wide filter tiles.
+# rows of several of the embedded port's 128-wide top-k tiles (vLLM's filter
+# runs each row as one tile: below).
 DSV41_CASES = [
     pytest.param(1, 64, 300, 2, 2, 4, id="I2-S1-bs64-K300-rho2", marks=DSV41_RATIO2),
     pytest.param(32, 64, 131, 2, 0, 50, id="I64-S32-bs64-K131-rho2-T72", marks=DSV41_RATIO2),
@@ -42,7 +43,12 @@ DSV41_CASES = [
 ]
 # The top-k widths vLLM serves DSV4.1 at under DCP (its DCP top-k merge takes
 # index_topk 512, 1024 or 2048: model_executor/layers/sparse_attn_indexer.py,
-# _assert_cutedsl_dcp_merge_supported): rows of 4, 8 and 16 filter tiles.
+# _assert_cutedsl_dcp_merge_supported): rows of 4, 8 and 16 of the embedded
+# port's 128-wide top-k tiles (its loop over them: mutant TopkTilesCapped).
+# vLLM's filter, triton_filter_and_convert_dcp_index, counts and compacts, so
+# its _remap_tiling (v1/attention/backends/mla/sparse_utils.py) gives one
+# program the whole row up to 4096: these widths run its single-tile branch,
+# here and in production.
 SERVED_TOPK_CASES = [
     pytest.param(2, 128, 512, 1, 0, 4, id="I2-S2-bs128-K512-rho1"),
     pytest.param(1, 64, 1024, 2, 1, 4, id="I2-S1-bs64-K1024-rho2", marks=DSV41_RATIO2),

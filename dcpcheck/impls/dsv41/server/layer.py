@@ -55,14 +55,16 @@ from dcpcheck.impls.dsv41.tree.loading import BUILDER_CLASS, PortSpecError, Port
 from dcpcheck.impls.dsv41.tree.sources import DCP_ATTRIBUTES, served_topk_widths
 from dcpcheck.spies import environments
 
-TOPK_TILE = 128  # the port's filter runs BLOCK_N=128 tiles: top-k widths are multiples of it
+# The port passes BLOCK_N=128 to vLLM's filter; only its tiled branch needs widths that are multiples of it, and
+# the filter never takes that branch when it counts (sparse_utils.py _remap_tiling: one program a row up to 4096).
+TOPK_TILE = 128
 
 
 def index_topk() -> int:
     """The HF config's index_topk, the top-k buffer's width (nvidia/model.py sizes
     it [max_num_batched_tokens, index_topk]; the metadata builder reads it too).
     A checkpoint value the tree has no default for: the narrowest one vLLM serves
-    under DCP (4 filter tiles at 0.33.0's 512)."""
+    under DCP (0.33.0's 512)."""
     return served_topk_widths()[0]
 
 
