@@ -16,6 +16,7 @@ import traceback
 from functools import cache
 from pathlib import Path
 
+from dcpcheck.impls.load_watchdog import killed_past
 from dcpcheck.impls.protocol import CAPABILITIES
 
 
@@ -94,7 +95,11 @@ def _import_target(spec: str, target: str):
         raise ImplSpecError(
             f"--dcp-impl {spec!r}: cannot import module {target!r} ({_one_line(exc)}); accepted: {ACCEPTED}"
         ) from exc
-    except Exception as exc:  # a broken module (a syntax error, raising at import) is the user's input
+    except KeyboardInterrupt:
+        raise  # a Ctrl-C stays one
+    except (
+        BaseException
+    ) as exc:  # a broken module (a syntax error, raising or sys.exit() at import) is the user's input
         raise ImplSpecError(
             f"--dcp-impl {spec!r}: importing {target!r} raised {_one_line(exc)}; fix it, or pick another "
             f"implementation; accepted: {ACCEPTED}"
@@ -121,6 +126,10 @@ def _built_in(spec: str, build):
             f"--dcp-impl {spec}: a module it needs is missing or does not import ({_one_line(exc)}); "
             f"{INSTALL_HINT}, or pick another implementation; accepted: {ACCEPTED}"
         ) from exc
+    except (KeyboardInterrupt, ImplSpecError):
+        raise
+    except BaseException as exc:  # its tree's code (a sys.exit() at import) is the user's input
+        raise ImplSpecError(f"--dcp-impl {spec}: building it raised {_one_line(exc)}; accepted: {ACCEPTED}") from exc
 
 
 @cache
@@ -133,20 +142,36 @@ USAGE_ERROR_EXIT = 4  # pytest's exit code for a usage error
 STACK_FRAMES_SHOWN = 8
 
 
-def load_implementation_within(spec: str, seconds: float):
-    """:func:`load_implementation`, bounded like a pool's start
-    (``--dcp-startup-timeout``). It loads in this thread (an import may set
-    signal handlers, which only the main thread can); one that has not
-    returned by then (a tree whose ``vllm/__init__.py`` waits forever) ends
-    the process with a one-line usage error naming where it is stuck: a
-    stuck import cannot be abandoned, and nothing may wait for it."""
+# Past the deadline thread's, the watchdog process's: it acts only when the
+# thread could not (the loading thread never lets Python run again).
+WATCHDOG_GRACE_S = 2.0
+
+
+def load_implementation_within(spec: str, seconds: float, inspect=None):
+    """:func:`load_implementation`, then ``inspect(impl)`` when given (reading
+    its attributes runs its code), bounded like a pool's start
+    (``--dcp-startup-timeout``) -> (the implementation, what ``inspect``
+    returned). It loads in this thread (an import may set signal handlers,
+    which only the main thread can); one that has not returned by then (a
+    tree whose ``vllm/__init__.py`` waits forever) ends the process with a
+    one-line usage error naming where it is stuck: a stuck import cannot be
+    abandoned, and nothing may wait for it. One that never lets Python run
+    again (spinning in C with the GIL held) is killed by a watchdog process
+    :data:`WATCHDOG_GRACE_S` later, with the same first line."""
     loaded = threading.Event()
     loader = threading.get_ident()
     threading.Thread(
         target=_exit_unless_loaded, args=(spec, seconds, loaded, loader), name="dcpcheck-load-deadline", daemon=True
     ).start()
+    held_gil = (
+        f"ERROR: --dcp-impl {spec}: loading it did not end within {seconds:g} s (--dcp-startup-timeout): it never "
+        "let Python run again (stuck in C code holding the GIL, which no thread of its process can interrupt), "
+        "so a watchdog process killed it (SIGKILL); its Python stacks follow\n"
+    )
     try:
-        return load_implementation(spec)
+        with killed_past(seconds + WATCHDOG_GRACE_S, held_gil):
+            impl = load_implementation(spec)
+            return impl, inspect(impl) if inspect is not None else None
     finally:
         loaded.set()
 
@@ -189,7 +214,9 @@ def _load(spec: str):
     if isinstance(found, type) or (callable(found) and not _looks_like_impl(found)):
         try:
             impl = found()
-        except Exception as exc:  # a constructor that raises is a broken --dcp-impl
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a constructor that raises (or calls sys.exit()) is a broken --dcp-impl
             raise ImplSpecError(
                 f"--dcp-impl {spec!r}: calling {getattr(found, '__name__', repr(found))}() "
                 f"raised {_one_line(exc)}; it must build the implementation with no arguments"

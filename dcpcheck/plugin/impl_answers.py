@@ -47,7 +47,7 @@ def _cut(text: str) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    return _cut(" ".join(describe_exception(exc).split()))
+    return _cut(" ".join(describe_exception(exc, of_rank_function=False).split()))
 
 
 def _kind(value) -> str:
@@ -61,7 +61,9 @@ def _first_unreadable(obj, names, owner: str = "") -> str | None:
     for name in names:
         try:
             getattr(obj, name, None)
-        except Exception as exc:  # noqa: BLE001 - the implementation's error, named
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the implementation's error (a sys.exit() too), named
             return f"reading its `{owner}{name}` raised {_one_line(exc)}; {READABLE}"
     return None
 
@@ -86,7 +88,7 @@ def declaration_error(spec: str, impl) -> str | None:
     return f"--dcp-impl {spec!r}: {problem}" if problem else None
 
 
-def raised_while_loading(spec: str, exc: Exception) -> str:
+def raised_while_loading(spec: str, exc: BaseException) -> str:
     """The usage error of an exception the registry does not expect while it
     builds and inspects the implementation: in practice an attribute that
     raises when read, which the innermost frame names."""

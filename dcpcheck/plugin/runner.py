@@ -195,9 +195,12 @@ class DcpRunner:
             return answer.result(), None
         except AnswerError as exc:
             return None, f"{asked} {exc}"
-        except Exception as exc:  # noqa: BLE001 - the implementation's error fails this test, naming it
+        except KeyboardInterrupt:
+            raise  # a Ctrl-C stays one
+        except BaseException as exc:  # noqa: BLE001 - the implementation's error (a sys.exit() too) fails this test, naming it
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-            return None, f"{asked} raised {describe_exception(exc)} (it is asked before launch, {where})\n{trace}"
+            raised = describe_exception(exc, of_rank_function=False)
+            return None, f"{asked} raised {raised} (it is asked before launch, {where})\n{trace}"
 
     def _record_worst_errors(self, values: list) -> None:
         for key in prop.WORST_ERROR_KEYS:

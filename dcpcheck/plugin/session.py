@@ -123,12 +123,13 @@ def pytest_configure(config):
 
     spec = config.getoption("dcp_impl")
     try:
-        impl = load_implementation_within(spec, start_timeout)
+        impl, unreadable = load_implementation_within(spec, start_timeout, lambda impl: declaration_error(spec, impl))
     except ImplSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - an attribute of the implementation raising as the registry reads it
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - an attribute of the implementation raising as the registry reads it
         raise pytest.UsageError(raised_while_loading(spec, exc)) from None
-    unreadable = declaration_error(spec, impl)
     if unreadable:
         raise pytest.UsageError(unreadable)
     triton_interpreter.install()  # after the load, which imports triton; ranks install theirs as they load it

@@ -83,13 +83,14 @@ def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return f"{text[:keep]}\n... [{len(text) - 2 * keep} characters cut] ...\n{text[-keep:]}"
 
 
-def describe_exception(exc: BaseException) -> str:
-    """``ExcType: message``, even when the exception's ``str()`` raises."""
+def describe_exception(exc: BaseException, *, of_rank_function: bool = True) -> str:
+    """``ExcType: message``, even when the exception's ``str()`` raises;
+    ``of_rank_function``: one that ends a process says it left the case early."""
     try:
         message = str(exc)
     except BaseException as inner:  # noqa: BLE001 - a hostile __str__ must not hide the failure
         message = f"<str() of the exception raised {type(inner).__name__}>"
-    if isinstance(exc, LEAVING):
+    if of_rank_function and isinstance(exc, LEAVING):
         message = f"{message} (the rank function left the case early by raising {type(exc).__name__})"
     return f"{type(exc).__name__}: {message}"
 
@@ -124,16 +125,35 @@ def _release_gpu_memory(device: torch.device) -> tuple[str, int]:
     return str(device), peak
 
 
+class CureSwallowedError(RuntimeError):
+    """The implementation's ``cured()`` context manager swallowed the case's error."""
+
+
 def _cured(impl, cures: tuple[str, ...]):
     """The implementation with the causes of the case's cured known defects neutralised (none: as it is)."""
     return impl.cured(cures) if cures else contextlib.nullcontext()
 
 
+def _call(fn, ctx: RankContext):
+    """``fn(ctx, **params)`` under the case's cures; an error the cure's
+    ``__exit__`` swallows (it returned True) is raised again, named."""
+    raised = []
+    with _cured(ctx.impl, ctx.case.cures):
+        try:
+            return fn(ctx, **ctx.case.params)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+    raise CureSwallowedError(
+        f"the implementation's cured({', '.join(ctx.case.cures)}) swallowed the case's error "
+        f"({describe_exception(raised[0])}): its __exit__ returned True; a cure must let the case's errors through"
+    ) from raised[0]
+
+
 def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
     start = time.perf_counter()
     try:
-        with _cured(ctx.impl, ctx.case.cures):
-            value = fn(ctx, **ctx.case.params)
+        value = _call(fn, ctx)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
     except BaseException as exc:  # noqa: BLE001 - every way out of a rank function is reported, with its rank

@@ -54,6 +54,23 @@ class Fixed(OneDefect):
 
 class CuresWithoutCured(OneDefect):
     cured = None
+
+
+class CureSwallows(OneDefect):
+    has_second_bug = True
+
+    def cured(self, cures):
+        outer = self
+
+        class Swallows:
+            def __enter__(self):
+                outer.cures = cures
+
+            def __exit__(self, *exc_info):
+                outer.cures = ()
+                return True  # swallows whatever the case raised
+
+        return Swallows()
 """
 
 ONE_CASE_TESTS = """
@@ -69,7 +86,7 @@ def test_one_case(dcp):
     dcp.run(check_output)
 """
 
-IMPLS = ("OneDefect", "SecondBug", "Fixed", "CuresWithoutCured")
+IMPLS = ("OneDefect", "SecondBug", "Fixed", "CuresWithoutCured", "CureSwallows")
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +130,14 @@ def test_cures_without_a_cured_method_fail_the_case_naming_it(sessions):
         "cured_impl.py:CuresWithoutCured.known_defect(terms) returned a KnownFailure with cures ('planted_fix',) "
         "but has no cured() method" in output
     ), output
+
+
+def test_a_cure_that_swallows_the_case_s_error_fails_the_case_naming_it(sessions):
+    code, output = sessions["CureSwallows"]
+    assert code == 1 and "1 failed" in output and "UnboundLocalError" not in output, output
+    assert "a second bug behind the known defect" in output, output
+    assert (
+        "CureSwallowedError: the implementation's cured(planted_fix) swallowed the case's error (AssertionError: "
+        "planted output mismatch (a second bug" in output
+    ), output
+    assert "its __exit__ returned True; a cure must let the case's errors through" in output, output
