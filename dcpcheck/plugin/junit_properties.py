@@ -13,6 +13,9 @@ BACKEND = "dcp_backend"  # a combine case's backend parameter
 WORST_ERROR_KEYS = ("worst_ratio", "max_abs_err")
 # Prefix of a case's peak GPU memory, in bytes, per GPU (dcp_gpu_peak_bytes:cuda:0).
 GPU_PEAK_PREFIX = "dcp_gpu_peak_bytes:"
+# One of a case's Triton interpreter fallbacks, "kernel: why" (several a case):
+# a vectorised kernel's specialisation that its ranks run as shipped.
+INTERPRETER_FALLBACK = "dcp_triton_fallback"
 # Where a case's time went, each recorded as dcp_<phase>: the pool it started
 # (RankPool.startup's keys) and the slowest rank's compiles; how often that
 # start was tried again for want of device memory; and how many idle pools

@@ -129,6 +129,7 @@ class DcpRunner:
         if result.stop_session:
             self._node.session.shouldstop = result.stop_session
         self._record_phases(result)  # failed cases too: their pool start and compiles took time alike
+        self._record_interpreter_fallbacks(result)
         if not result.ok:
             failure = format_case_failure(result, case)
             if isinstance(defect, KnownFailure) and defect.cures:
@@ -216,6 +217,11 @@ class DcpRunner:
         for phase in prop.PHASES:
             if phase in phases:
                 self._node.user_properties.append((prop.measured(phase), round(phases[phase], 4)))
+
+    def _record_interpreter_fallbacks(self, result) -> None:
+        found = {fallback for outcome in result.outcomes.values() for fallback in outcome.interpreter_fallbacks}
+        for fallback in sorted(found):
+            self._node.user_properties.append((prop.INTERPRETER_FALLBACK, fallback))
 
     def _record_gpu_peaks(self, result) -> None:
         """Per GPU, the sum of its ranks' peaks (they ran at the same time)."""

@@ -8,7 +8,7 @@ import pytest
 
 from dcpcheck import triton_interpreter
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
-from dcpcheck.plugin.junit_properties import GPU_PEAK_PREFIX, STAGE
+from dcpcheck.plugin.junit_properties import GPU_PEAK_PREFIX, INTERPRETER_FALLBACK, STAGE
 from dcpcheck.plugin.session import SESSION
 from dcpcheck.stages import STAGE_ENV, STAGES
 
@@ -34,9 +34,12 @@ def write_stage_table(terminalreporter, config) -> None:
     skip_reasons: dict[str, int] = {}
     off_path: dict = {}  # stage -> expected failures of library functions the implementation never reaches
     gpu_peaks: dict[str, int] = {}
+    interpreter_fallbacks: set[str] = set()
     for outcome in OUTCOMES:
         for report in terminalreporter.stats.get(outcome, []):
-            properties = dict(getattr(report, "user_properties", ()))
+            listed = getattr(report, "user_properties", ())
+            properties = dict(listed)
+            interpreter_fallbacks.update(v for k, v in listed if k == INTERPRETER_FALLBACK)  # several a case
             for name, value in properties.items():
                 if name.startswith(GPU_PEAK_PREFIX):
                     gpu = name[len(GPU_PEAK_PREFIX) :]
@@ -61,7 +64,7 @@ def write_stage_table(terminalreporter, config) -> None:
             f"impl={session.impl_spec} device={session.describe_devices()} "
             f"mode={session.mode.name} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
-        terminalreporter.write_line(triton_interpreter.install().header_line())
+        terminalreporter.write_line(triton_interpreter.install().header_line(sorted(interpreter_fallbacks)))
         describe = getattr(session.impl, "describe", None)
         if callable(describe):
             # What the implementation runs here (e.g. which kernel stands in for one that cannot run).

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dcpcheck import triton_interpreter
 from dcpcheck.group import DcpGroup
 from dcpcheck.ranks import compile_clock
 from dcpcheck.ranks.case_state import CaseState
@@ -66,6 +67,8 @@ class RankOutcome:
     gpu: str | None = None  # the rank's GPU ("cuda:0"), None on CPU
     gpu_peak_bytes: int = 0  # the most the case's allocator held on it at once
     compile_seconds: float = 0.0  # of ``seconds``, spent compiling Triton kernels (CUDA only)
+    # this process's vectorised kernels sent back to the shipped run so far, each "kernel: why"
+    interpreter_fallbacks: tuple[str, ...] = ()
 
 
 # At most this much of one rank's error text reaches the failure message (a
@@ -178,6 +181,7 @@ def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
         outcome.ok = False
         outcome.error = guard.error() + ("\n" + outcome.error if outcome.error else "")
     outcome.compile_seconds = compile_clock.seconds() - compiled_before
+    outcome.interpreter_fallbacks = triton_interpreter.fallbacks()
     if ctx.device.type == "cuda":
         outcome.gpu, outcome.gpu_peak_bytes = _release_gpu_memory(ctx.device)
     return outcome

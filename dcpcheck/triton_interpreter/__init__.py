@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dcpcheck.triton_interpreter import internals, language_shortcut, vectorised_launches
@@ -45,8 +46,8 @@ class Installation:
     shortcut: Shortcut | None = None
     vectoriser: Vectoriser | None = None
 
-    def header_line(self) -> str:
-        """The run header's one line on Triton's interpreter."""
+    def header_line(self, fallbacks: Iterable[str] = ()) -> str:
+        """The run header's one line on Triton's interpreter, with the ranks' :func:`fallbacks`."""
         if self.as_shipped is not None:
             return f"Triton interpreter: as shipped, nothing patched: {self.as_shipped}"
         by_module: dict[str, list[str]] = {}
@@ -57,11 +58,19 @@ class Installation:
         return (
             f"Triton interpreter: triton {_version()} patched (dcpcheck/triton_interpreter): {PATCHED} | "
             f"vectorised: {vectorised}, each specialisation checked against the shipped run at its first launch | "
-            f"fallbacks: none at install ({AS_SHIPPED_ENV}=1 runs it as shipped)"
+            f"fallbacks: {'; '.join(fallbacks) or 'none'} ({AS_SHIPPED_ENV}=1 runs it all as shipped)"
         )
 
 
 _installed: Installation | None = None  # once triton is imported under the interpreter, the answer stays
+
+
+def fallbacks() -> tuple[str, ...]:
+    """This process's vectorised kernel specialisations sent back to the shipped run, each ``kernel: why``."""
+    vectoriser = _installed.vectoriser if _installed is not None else None
+    if vectoriser is None:
+        return ()
+    return tuple(sorted({f"{name.rpartition('.')[2]}: {why}" for (name, _), why in list(vectoriser.fallbacks.items())}))
 
 
 def as_shipped_requested() -> bool:
@@ -109,4 +118,12 @@ def _decide() -> Installation:
     return Installation(None, language_shortcut.install(interpreter), vectorised_launches.install(interpreter))
 
 
-__all__ = ["AS_SHIPPED_ENV", "PINNED_VERSIONS", "VECTORISED_KERNELS", "Installation", "as_shipped_requested", "install"]
+__all__ = [
+    "AS_SHIPPED_ENV",
+    "PINNED_VERSIONS",
+    "VECTORISED_KERNELS",
+    "Installation",
+    "as_shipped_requested",
+    "fallbacks",
+    "install",
+]

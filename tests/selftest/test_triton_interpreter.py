@@ -45,6 +45,37 @@ def test_each_rank(dcp):
     dcp.run(interpreter_state)
 """
 
+# A kernel whose programs read each other's writes, vectorised in the rank:
+# its first launch differs from the shipped run's, and falls back.
+FALLBACK_TESTS = """
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+pytestmark = [pytest.mark.world_sizes(1), pytest.mark.stage(1)]
+
+
+@triton.jit
+def _running_count(out_ptr):
+    i = tl.program_id(0) + tl.arange(0, 1)
+    tl.store(out_ptr + i, tl.load(out_ptr + i - 1, mask=i > 0, other=0) + 1)
+
+
+def launch_listed(ctx):
+    from dcpcheck import triton_interpreter
+
+    vectoriser = triton_interpreter.install().vectoriser
+    vectoriser.kernels |= {f"{_running_count.fn.__module__}.{_running_count.fn.__qualname__}"}
+    out = torch.zeros(4, dtype=torch.int32)
+    _running_count[(4,)](out)
+    assert out.tolist() == [1, 2, 3, 4]
+
+
+def test_fallback(dcp):
+    dcp.run(launch_listed)
+"""
+
 # triton.runtime.interpreter with one internal the patches touch renamed, as a release might.
 RENAMED = """
 import json
@@ -121,3 +152,11 @@ def test_a_renamed_internal_is_no_usage_error(tmp_path):
     code, output = run_inner_pytest(tmp_path, ["test_state.py", "--world-sizes", "2"], EXPECT_PATCHED="1")
     assert code == 0 and "1 passed" in output, output  # the ranks (no conftest of theirs) are patched
     assert "InterpreterBuilder.get_block_ty is missing" in _header_line(output), output
+
+
+def test_a_kernel_sent_back_to_the_shipped_run_is_named_in_the_header(tmp_path):
+    write_session(tmp_path, {"test_fallback.py": FALLBACK_TESTS})
+    code, output = run_inner_pytest(tmp_path, ["test_fallback.py", "--world-sizes", "1"])
+    assert code == 0 and "1 passed" in output, output
+    fallback = "_running_count: its memory differed from the shipped run's after its first launch"
+    assert f"fallbacks: {fallback} ({AS_SHIPPED_ENV}=1" in _header_line(output), output
