@@ -6,9 +6,15 @@ always be reproduced by rerunning its node id alone):
   case is abandoned), and the global random generators (torch, ``random``,
   numpy), seeded from the case's seed;
 * checked after every case: process-wide torch settings a case must not
-  change (default dtype, grad mode, deterministic algorithms, thread count),
-  and the attributes of the DCP group object the case was handed. A change
-  fails *that* case, naming what leaked, and is undone.
+  change (default dtype and device, grad mode, deterministic algorithms,
+  thread count), and the attributes of the DCP group object the case was
+  handed. A change fails *that* case, naming what leaked, and is undone;
+* checked again before every case: those, and the warnings filters, as the
+  previous case on the process left them. What changed in between (a thread
+  that case left running, code it left to run at idle) fails the new case,
+  naming the previous one as the one that leaked it, and is undone. (The
+  warnings filters are not checked at a case's end: a module a case imports
+  first may add its own.)
 """
 
 from __future__ import annotations
@@ -16,11 +22,19 @@ from __future__ import annotations
 import os
 import random
 import reprlib
+import warnings
 
 import torch
 
+
+def _set_default_device(device: torch.device) -> None:
+    # CPU is torch's own default: put back as unset, not as a device mode on every call.
+    torch.set_default_device(None if device == torch.device("cpu") else device)
+
+
 SETTINGS = {
     "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "default device": (torch.get_default_device, _set_default_device),
     "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
     "deterministic algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
     "torch threads": (torch.get_num_threads, torch.set_num_threads),
@@ -75,6 +89,7 @@ class CaseState:
     def __init__(self, seed: int | None = None, group=None):
         self.environ = dict(os.environ)
         self.settings = {name: get() for name, (get, _) in SETTINGS.items()}
+        self.warnings_filters = list(warnings.filters)
         self.group, self.group_attributes = group, _group_attributes(group)
         if seed is not None:
             _seed_global_generators(seed)
@@ -116,6 +131,18 @@ class CaseState:
                 del vars(self.group)[name]
         return leaked
 
+    def _put_back_warnings_filters(self) -> list[str]:
+        """The warnings filters added or removed since, put back."""
+        now = list(warnings.filters)
+        if now == self.warnings_filters:
+            return []
+        added = [_filter(entry) for entry in now if entry not in self.warnings_filters]
+        removed = [_filter(entry) for entry in self.warnings_filters if entry not in now]
+        warnings.filters[:] = self.warnings_filters
+        warnings._filters_mutated()  # what warnings.filterwarnings calls: cached decisions are dropped
+        changes = [f"added {', '.join(added)}" if added else "", f"removed {', '.join(removed)}" if removed else ""]
+        return [f"warnings filters {'; '.join(filter(None, changes)) or 'reordered'}"]
+
     def leaks(self) -> list[str]:
         """What the case changed of the checked settings and of its group,
         each undone; the environment is put back silently."""
@@ -127,3 +154,40 @@ class CaseState:
         environment = self._put_back_environment()
         changed = [f"the environment ({', '.join(environment)})"] if environment else []
         return changed + self._put_back_settings() + self._put_back_group()
+
+
+def _filter(entry: tuple) -> str:
+    """``'error' for FutureWarning``: a warnings filter (action, message, category, module, line) in words."""
+    action, message, category, module, _ = entry
+    matching = "".join(
+        f" {what} {pattern.pattern!r}" for what, pattern in (("message", message), ("module", module)) if pattern
+    )
+    return f"{action!r} for {getattr(category, '__name__', category)}{matching}"
+
+
+class LeftByLastCase:
+    """The state the last case on this process left (its own changes undone
+    at its end), for the next case to check at its start."""
+
+    def __init__(self):
+        self.nodeid: str | None = None
+        self.state: CaseState | None = None
+
+    def remember(self, nodeid: str, group) -> None:
+        self.nodeid, self.state = nodeid, CaseState(group=group)
+
+    def changed_since(self, group, *, warnings_filters: bool) -> list[str]:
+        """What changed since the last case ended, each put back: its
+        settings, its group's attributes (the same group object only), and
+        with ``warnings_filters`` the warnings filters."""
+        if self.state is None:
+            return []
+        leaked = self.state._put_back_settings()
+        if self.state.group is group:
+            leaked += self.state._put_back_group()
+        if warnings_filters:
+            leaked += self.state._put_back_warnings_filters()
+        return leaked
+
+
+LEFT_BY_LAST_CASE = LeftByLastCase()  # one per process: its ranks' cases run one after another

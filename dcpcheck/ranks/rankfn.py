@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 from dcpcheck import triton_interpreter
 from dcpcheck.group import DcpGroup
 from dcpcheck.ranks import compile_clock
-from dcpcheck.ranks.case_state import CaseState
+from dcpcheck.ranks.case_state import LEFT_BY_LAST_CASE, CaseState
 from dcpcheck.ranks.input_guard import inputs_read_only
 from dcpcheck.ranks.launcher import Case
 
@@ -171,15 +172,35 @@ def _run(fn, ctx: RankContext, state: CaseState) -> RankOutcome:
     return RankOutcome(ctx.rank, True, "", value, time.perf_counter() - start)
 
 
+def _left_error(rank: int, previous: str, leaked: list[str]) -> str:
+    return (
+        f"[rank {rank}] LeakedStateError: process-wide state changed after the previous case on these ranks "
+        f"({previous}) ended, before this one began (a thread that case left running, or code it left to run at "
+        f"idle): {'; '.join(leaked)}; undone before this case ran; {previous} leaked it, not this case"
+    )
+
+
 def run_rank_case(fn, ctx: RankContext) -> RankOutcome:
     if ctx.device.type == "cuda":  # on CPU the kernels are interpreted: nothing compiles
         compile_clock.install()
     compiled_before = compile_clock.seconds()
+    # The warnings filters only where the case runs in the main thread (a spawned rank's): under
+    # torchrun that thread is pytest's, whose warnings plugin sets each test's filters.
+    leaked_between = LEFT_BY_LAST_CASE.changed_since(
+        ctx.group, warnings_filters=threading.current_thread() is threading.main_thread()
+    )
+    previous = LEFT_BY_LAST_CASE.nodeid
     with inputs_read_only(ctx.impl, ctx.rank) as guard:
         outcome = _run(fn, ctx, CaseState(ctx.seed, ctx.group))
+    LEFT_BY_LAST_CASE.remember(ctx.case.nodeid, ctx.group)
     if guard.violations:  # first: a mismatch after it is likely its consequence
         outcome.ok = False
         outcome.error = guard.error() + ("\n" + outcome.error if outcome.error else "")
+    if leaked_between:  # before all: what this case found was not the known state
+        outcome.ok = False
+        outcome.error = _left_error(ctx.rank, previous, leaked_between) + (
+            "\n" + outcome.error if outcome.error else ""
+        )
     outcome.compile_seconds = compile_clock.seconds() - compiled_before
     outcome.interpreter_fallbacks = triton_interpreter.fallbacks()
     if ctx.device.type == "cuda":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -158,6 +159,24 @@ def variable_seen(ctx) -> str | None:
     """:data:`LEAKED_VARIABLE` as the next case finds it, after a collective."""
     sum_of_ranks(ctx)
     return os.environ.get(LEAKED_VARIABLE)
+
+
+def change_state_between_cases(ctx) -> None:
+    """Nothing changes while the case runs; once it has ended, as the next
+    case's task reaches the rank (code the case left to run at idle), every
+    rank makes warnings errors, makes ``meta`` the default device and
+    reassigns its group's world size."""
+    group, original = ctx.group, Connection.recv
+
+    def recv_then_change_state(self):
+        task = original(self)
+        Connection.recv = original
+        warnings.simplefilter("error")
+        torch.set_default_device("meta")
+        group.world_size = 1
+        return task
+
+    Connection.recv = recv_then_change_state
 
 
 def global_state_seen(ctx) -> tuple:

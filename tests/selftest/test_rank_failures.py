@@ -10,6 +10,7 @@ import torch
 
 from tests.selftest.hostile import (
     change_global_state,
+    change_state_between_cases,
     change_the_group,
     exit_after_reporting,
     exit_on_the_next_task,
@@ -115,6 +116,27 @@ def test_case_that_changes_its_group_fails_naming_it_and_the_next_finds_the_grou
     assert "failing ranks [0, 1]" in message and "[rank 1] LeakedStateError" in message, message
     for change in ("group.cpu_group deleted", "group.rank_in_group 1 -> 6", "group.world_size 2 -> 1"):
         assert change in message, message
+    assert dcp.run(group_seen) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.spawned_only
+@pytest.mark.world_sizes(2)
+def test_state_changed_between_cases_fails_the_next_naming_the_case_that_leaked_it(dcp, request):
+    assert dcp.run(change_state_between_cases) == [None, None]  # nothing changed while it ran
+    message, _ = _failure_message(dcp, sum_of_ranks)
+    assert "failing ranks [0, 1]" in message, message
+    assert (
+        f"[rank 1] LeakedStateError: process-wide state changed after the previous case on these ranks "
+        f"({request.node.nodeid}) ended, before this one began" in message
+    ), message
+    for change in (
+        "default device cpu -> meta",
+        "group.world_size 2 -> 1",
+        "warnings filters added 'error' for Warning",
+    ):
+        assert change in message, message
+    assert f"{request.node.nodeid} leaked it, not this case" in message, message
+    assert "Warning" not in message.split("LeakedStateError")[0], message  # the case itself ran on the known state
     assert dcp.run(group_seen) == [(0, 2), (1, 2)]
 
 
