@@ -224,7 +224,8 @@ class InProcessRanks:
         # read) by the main thread, not by its collective raising first.
         timeout = timedelta(seconds=self.case_timeout + COLLECTIVE_TIMEOUT_GRACE_S)
         device_group = dist.new_group(backend=self.backend, timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else device_group
+        # Distinct from the device group on every backend, as vLLM's GroupCoordinator keeps them.
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         return DcpGroup(self.rank, self.world_size, self.device, device_group, cpu_group)
 
     def run(self, fn, case: Case) -> CaseResult:

@@ -112,7 +112,9 @@ def _init_group(args, startup: dict):
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout)
-        cpu_group = dist.group.WORLD
+        # A gloo group of its own, as vLLM's GroupCoordinator keeps one beside its device group
+        # (distributed/parallel_state.py): a data collective issued on it is told apart (dsv41's coordinator).
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     startup["group_init_s"] = time.perf_counter() - started
     return DcpGroup(
         rank_in_group=args.rank,
@@ -124,7 +126,6 @@ def _init_group(args, startup: dict):
 
 
 def _run_task(task: messages.RunCase, group, impl_spec: str):
-    from dcpcheck import triton_interpreter
     from dcpcheck.coverage_context import switch as switch_coverage_context
     from dcpcheck.impls.registry import load_implementation
     from dcpcheck.ranks.rankfn import RankContext, run_rank_case
@@ -136,7 +137,6 @@ def _run_task(task: messages.RunCase, group, impl_spec: str):
     switch_coverage_context(task.case.nodeid)
     fn = pickle.loads(task.fn)
     impl = load_implementation(impl_spec)
-    triton_interpreter.install()  # done once: where the zygote's server loaded the implementation, inherited
     ctx = RankContext(group=group, device=group.device, impl=impl, case=task.case)
     return run_rank_case(fn, ctx)
 

@@ -167,9 +167,8 @@ class Dsv41Implementation:
 
     def dcp_refusal(self, topology, interleave_tokens: int, world_size: int) -> str | None:
         """Why the tree's indexer refuses to serve ``topology`` under DCP ``world_size`` with an
-        interleave of ``interleave_tokens`` (asked of its metadata builder, per index-source ratio), or None."""
-        if world_size == 1:
-            return None
+        interleave of ``interleave_tokens`` (asked of its metadata builder, per index-source ratio, at every W:
+        a server without DCP builds it too), or None."""
         ratios = sorted({topology.compress_ratios[source] for source in topology.index_source_layer_ids})
         for ratio in ratios:
             refusal = indexer_dcp_refusal(

@@ -1,4 +1,4 @@
-"""Where the tree's DSV4.1 indexer refuses DCP, against dcpcheck's model of it."""
+"""Where the tree's DSV4.1 indexer refuses DCP, against dcpcheck's model of it, at every W a server boots with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import types
 
 import torch
 
-from dcpcheck.impls.dsv41.probes.common import PROBE_WORLD_SIZE
 from dcpcheck.impls.dsv41.server.layer import attention_base
 from dcpcheck.impls.dsv41.tree.loading import PortTree, patched
 from dcpcheck.scenarios.topology import Dsv41Topology
@@ -15,6 +14,9 @@ from dcpcheck.scenarios.topology import Dsv41Topology
 # The interleaves the e2e sweep serves at (vLLM's default of 1 token, the
 # topology trace's 2, a 64-token page and NIXL's 128) at both compressed ratios.
 REFUSAL_GRID = tuple((ratio, tokens) for ratio in (1, 2) for tokens in (1, 2, 64, 128))
+# The DCP sizes a server boots with on one host of up to 8 GPUs (those the suite runs), W = 1 included: vLLM's
+# runner builds the indexer's metadata builder without DCP too, so a refusal there stops a DCP1 server.
+SERVED_WORLD_SIZES = (1, 2, 4, 8)
 
 
 def indexer_dcp_refusal(tree: PortTree, *, ratio: int, interleave_tokens: int, world_size: int) -> str | None:
@@ -55,17 +57,20 @@ def indexer_dcp_refusal(tree: PortTree, *, ratio: int, interleave_tokens: int, w
 
 def refusal_finding(tree: PortTree) -> str | None:
     """Does the tree's indexer refuse DCP exactly where dcpcheck's model of vLLM
-    (:meth:`Dsv41Topology.dcp_refusal`, which decides the e2e sweep's skips) does? None if it does."""
+    (:meth:`Dsv41Topology.dcp_refusal`, which decides the e2e sweep's skips; no refusal without DCP) does,
+    at each of :data:`SERVED_WORLD_SIZES`? None if it does."""
     disagreements = []
-    for ratio, tokens in REFUSAL_GRID:
-        model = Dsv41Topology((ratio,), (0,), (0,)).dcp_refusal(tokens)
-        tree_answer = indexer_dcp_refusal(tree, ratio=ratio, interleave_tokens=tokens, world_size=PROBE_WORLD_SIZE)
-        if (model is None) != (tree_answer is None):
-            said = "refuses" if tree_answer else "serves"
-            disagreements.append(f"ratio {ratio}, {tokens}-token interleave: the tree {said} it, the model does not")
+    for world_size in SERVED_WORLD_SIZES:
+        for ratio, tokens in REFUSAL_GRID:
+            model = Dsv41Topology((ratio,), (0,), (0,)).dcp_refusal(tokens) if world_size > 1 else None
+            tree_answer = indexer_dcp_refusal(tree, ratio=ratio, interleave_tokens=tokens, world_size=world_size)
+            if (model is None) != (tree_answer is None):
+                said = f"refuses it ({tree_answer})" if tree_answer else "serves it"
+                disagreements.append(
+                    f"W={world_size}, ratio {ratio}, {tokens}-token interleave: the tree {said}, the model does not"
+                )
     if not disagreements:
         return None
-    return (
-        f"at W={PROBE_WORLD_SIZE}, dcpcheck's model of vLLM's DCP refusal (dcpcheck/scenarios/topology.py) is not "
-        "the tree's: " + "; ".join(disagreements)
+    return "dcpcheck's model of vLLM's DCP refusal (dcpcheck/scenarios/topology.py) is not the tree's: " + "; ".join(
+        disagreements
     )

@@ -17,7 +17,10 @@ the whole world; NCCL refuses two ranks on one GPU) and builds the platform's
 communicator. The attributes it sets are set here, from the test's
 ``DcpGroup`` and the tree's own helpers, as the tree's
 ``StatelessGroupCoordinator`` does (``GroupCoordinator.__init__`` notes that
-subclasses replicate it without calling it).
+subclasses replicate it without calling it). Its ``cpu_group`` and
+``device_group`` are the DcpGroup's two, distinct as that ``__init__`` makes
+them (a gloo ``cpu_group`` beside the device group): a data collective issued
+on the ``cpu_group`` fails the case (:mod:`.group_guard`).
 
 Each collective of the coordinator counts on the ``DcpGroup``
 (``collective_calls``: the stage gate must refuse before the first one)
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dcpcheck.group import DcpGroup
+from dcpcheck.impls.dsv41.server import group_guard
 
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 COORDINATOR_CLASS = "GroupCoordinator"
@@ -189,6 +193,7 @@ def _coordinator(tree: TreeCoordinator, chain: list):
         coordinator.device_communicator, "supports_tensor_dict", False
     )
     coordinator._pending_isends = collections.deque()
+    group_guard.guard(coordinator)
     _count_collectives(coordinator, chain)
     return coordinator
 

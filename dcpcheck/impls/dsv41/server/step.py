@@ -21,6 +21,7 @@ from dcpcheck.impls.dsv41.server.swa_pages import (
     swa_builder,
     swa_cache_spec,
 )
+from dcpcheck.impls.dsv41.server.token_slots import tree_token_slots
 from dcpcheck.impls.dsv41.tree.loading import cuda_query_stand_ins, patched
 from dcpcheck.impls.dsv41.tree.sources import swa_block_size
 
@@ -237,7 +238,8 @@ class PortAttention:
         wide = torch.full((request_order.numel(), width), NULL_PAGE, dtype=torch.int32, device=device)
         wide[:, :kept] = block_table[request_order, :kept]
         live_positions = torch.where(valid, positions, -1)
-        token_slots = self.impl.vllm.token_slots(
+        token_slots = tree_token_slots(
+            self.impl.vllm,
             live_positions,
             token_to_req,
             block_table,
