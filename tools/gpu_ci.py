@@ -54,6 +54,7 @@ from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E
 
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
 from dcpcheck.plugin import junit_properties as prop  # noqa: E402
+from dcpcheck.plugin.file_durations import durations_path, handed_out_order, read_durations, table_key  # noqa: E402
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
 from dcpcheck.stages import E2E_TEST_DIR, STAGE_TEST_DIRS, SUITE_TEST_DIRS  # noqa: E402
 
@@ -98,8 +99,11 @@ POOL_STEPS = (
     Step("realistic", ("tests/gpu/test_*.py",)),
 )
 # A session hands its files to the xdist workers in command-line order
-# (tests/conftest.py, DCPCHECK_XDIST_SPREAD): these, the longest on one H200,
-# go first, so the short files fill in around them; the rest follow by step.
+# (DCPCHECK_XDIST_SPREAD): the longest go first, so the short files fill in
+# around them; the rest follow by step. Longest by the durations measured on
+# this host for the session's device and implementation
+# (dcpcheck/plugin/file_durations.py); without them (a clean clone), these,
+# the longest on one H200, first.
 LONGEST_FIRST = (
     "tests/selftest/test_rank_failures.py",
     "tests/selftest/test_no_orphans.py",
@@ -172,8 +176,17 @@ def expand(patterns) -> list[str]:
     return found
 
 
-def longest_first(paths: list[str]) -> list[str]:
-    return sorted(paths, key=lambda path: LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST))
+def longest_first(paths: list[str], measured: dict[str, float]) -> list[str]:
+    order = handed_out_order(measured, LONGEST_FIRST)
+    return sorted(paths, key=lambda path: order.index(path) if path in order else len(order))
+
+
+def measured_durations(device: str, session: Session) -> dict[str, float]:
+    """Each test file's seconds in this host's last whole session of ``device`` and the session's implementation."""
+    impl = (
+        session.extra_args[session.extra_args.index("--dcp-impl") + 1] if "--dcp-impl" in session.extra_args else "port"
+    )
+    return read_durations(durations_path(REPO), table_key(device, impl))
 
 
 def default_workers(gpus: int, cores: int) -> int:
@@ -555,7 +568,9 @@ def plan(
         step_paths = {s.name: expand(s.paths) for s in session.steps if s.name in wanted and expand(s.paths)}
         if not step_paths:
             continue
-        paths = longest_first([path for step in step_paths.values() for path in step])
+        paths = longest_first(
+            [path for step in step_paths.values() for path in step], measured_durations(args.device, session)
+        )
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)

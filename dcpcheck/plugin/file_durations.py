@@ -51,7 +51,7 @@ def read_durations(path: Path, key: str) -> dict[str, float]:
     return {file: float(seconds) for file, seconds in table.items() if isinstance(seconds, (int, float))}
 
 
-def longest_first(measured: dict[str, float], default: Sequence[str]) -> tuple[str, ...]:
+def handed_out_order(measured: dict[str, float], default: Sequence[str]) -> tuple[str, ...]:
     """The order files are handed out in: the measured ones longest first, then
     the files of ``default`` (the cold-start order) that were not measured."""
     by_time = sorted(measured, key=lambda file: -measured[file])

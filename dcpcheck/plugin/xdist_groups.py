@@ -26,7 +26,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
-from dcpcheck.plugin.file_durations import longest_first, session_durations
+from dcpcheck.plugin.file_durations import handed_out_order, session_durations
 
 GPU_PREFIX = "tests/gpu/"
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"
@@ -76,7 +76,7 @@ def path_groups_scheduler(config, log, cold_start_order: Sequence[str]):
     from xdist.scheduler import LoadScopeScheduling
 
     spread = os.environ.get(SPREAD_ENV) == "1"
-    order = longest_first(session_durations(config), cold_start_order)
+    order = handed_out_order(session_durations(config), cold_start_order)
 
     def handed_out_first(group: str) -> int:
         return order.index(group) if group in order else len(order)

@@ -6,11 +6,15 @@ without a table they keep their cold-start order
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from dcpcheck.plugin.file_durations import DURATIONS_PATH, longest_first, read_durations
-from tests.selftest.inner import run_inner_pytest, write_session
+from dcpcheck.plugin.file_durations import DURATIONS_PATH, handed_out_order, read_durations
+from tests.selftest.inner import REPO_ROOT, run_inner_pytest, write_session
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import gpu_ci  # tools/ is on sys.path
 
 pytestmark = pytest.mark.spawned_only
 
@@ -19,11 +23,17 @@ QUICK = "def test_quick():\n    pass\n"
 
 
 def test_cold_start_keeps_the_default_order():
-    assert longest_first({}, ("b.py", "a.py")) == ("b.py", "a.py")
+    assert handed_out_order({}, ("b.py", "a.py")) == ("b.py", "a.py")
 
 
 def test_measured_files_go_first_longest_first_then_the_default_order():
-    assert longest_first({"a.py": 1.0, "c.py": 3.0}, ("b.py", "a.py", "d.py")) == ("c.py", "a.py", "b.py", "d.py")
+    assert handed_out_order({"a.py": 1.0, "c.py": 3.0}, ("b.py", "a.py", "d.py")) == ("c.py", "a.py", "b.py", "d.py")
+
+
+def test_gpu_ci_lists_its_files_by_the_measured_durations_else_its_own_order():
+    gate, orphans, failures = "tests/e2e/test_gate.py", *gpu_ci.LONGEST_FIRST[1::-1]
+    assert gpu_ci.longest_first([gate, orphans, failures], {}) == [failures, orphans, gate]
+    assert gpu_ci.longest_first([gate, orphans, failures], {gate: 500.0}) == [gate, failures, orphans]
 
 
 def test_a_missing_or_unreadable_table_is_none(tmp_path):
