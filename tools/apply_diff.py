@@ -129,19 +129,16 @@ def split_diff(text: str) -> list[FilePatch]:
 def folder_in_tree(out: Path, section: FilePatch) -> None:
     """Refuse a file whose folder is not a folder of the tree itself: under a file, or reached through a
     folder link (into the installed vLLM or out of it), where writing it would write outside OUT."""
-    tree = out.resolve()
     folder = out
     for part in Path(section.path).parent.parts:
         folder = folder / part
         if folder.exists() and not folder.is_dir():
             raise DiffError(f"{section.path}: {folder.relative_to(out)} is a file; accepted: files in folders")
-        if folder.is_symlink():
-            raise DiffError(
-                f"{section.path}: outside the tree: {folder.relative_to(out)} is a folder link to "
-                f"{folder.resolve()}; accepted: files whose folders are the tree's own"
-            )
-    if not folder.resolve().is_relative_to(tree):
-        raise DiffError(f"{section.path}: outside the tree ({folder.resolve()} is not under {tree})")
+    if folder.resolve() != out.resolve() / folder.relative_to(out):
+        raise DiffError(
+            f"{section.path}: outside the tree: its folder is, through a folder link, {folder.resolve()}; "
+            "accepted: files whose folders are the tree's own"
+        )
 
 
 def make_real(out: Path, stock: Path, section: FilePatch) -> Path:
