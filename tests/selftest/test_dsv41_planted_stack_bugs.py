@@ -17,7 +17,21 @@ one, the test and world size that reach it, and what the failure must show.
   moving the rank blocks one dim too far, so they interleave: the layer's DCP
   group is the tree's ``GroupCoordinator`` over that communicator
   (:mod:`dcpcheck.impls.dsv41.server.coordinator`), and the port gathers its query
-  heads (and sink) through it; on dcpcheck's own group it went unseen."""
+  heads (and sink) through it; on dcpcheck's own group it went unseen;
+* ``a2a_on_the_cpu_group``: vLLM's a2a combine (``dcp_a2a_lse_reduce`` in
+  ``dcp.py``) sending its partials over the coordinator's ``cpu_group``: the
+  same numbers over gloo, host-staged and not capturable on an NCCL server;
+  unseen while one gloo group was both
+  (:mod:`dcpcheck.impls.dsv41.server.group_guard`);
+* ``token_offset_of_one_rank``: the runner's token slot mapping
+  (``ComputeSlotMappingKernel`` in ``block_table.py``) giving each token its
+  offset in the W-rank virtual page, not in its rank's page: only at W > 1,
+  where the writer stand-in of finding 4 writes instead of the tree's builder
+  (:mod:`dcpcheck.impls.dsv41.server.token_slots`);
+* ``indexer_refuses_without_dcp``: the indexer builder's DCP refusal
+  (``DeepseekV32IndexerMetadataBuilder.__init__`` in ``indexer.py``) taken at
+  W = 1 too, so a server without DCP at vLLM's default 1-token interleave
+  would not start; the refusal probe built the builder at W = 2 only."""
 
 from __future__ import annotations
 
@@ -73,6 +87,33 @@ PLANTS = (
         2,
         # The first layer with a DCP path (layer 0 is SWA-only: the DCP1 path, no collective).
         ("MismatchError: DCP-W vs float64 oracle", "layer=1 (rho 1)"),
+    ),
+    PlantedStackBug(
+        "a2a_on_the_cpu_group",
+        "vllm/v1/attention/ops/dcp.py",
+        "\n        send_buffer.view(-1),\n        group=cp_group.device_group,\n",
+        "\n        send_buffer.view(-1),\n        group=cp_group.cpu_group,\n",
+        "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W2-stage3_chunked]",
+        2,
+        ("WrongGroupError: torch.distributed.all_to_all_single issued on the DCP GroupCoordinator's cpu_group",),
+    ),
+    PlantedStackBug(
+        "token_offset_of_one_rank",
+        "vllm/v1/worker/block_table.py",
+        "// (TOTAL_CP_WORLD_SIZE * CP_KV_CACHE_INTERLEAVE_SIZE)",
+        "// CP_KV_CACHE_INTERLEAVE_SIZE",
+        "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W2-stage3_chunked]",
+        2,
+        ("MismatchError: the tree's token slot mapping", "at W=2"),
+    ),
+    PlantedStackBug(
+        "indexer_refuses_without_dcp",
+        "vllm/v1/attention/backends/mla/indexer.py",
+        "\n            self.dcp_world_size > 1\n            and self.compress_ratio > 1\n",
+        "\n            self.dcp_world_size >= 1\n            and self.compress_ratio > 1\n",
+        "tests/stage1_index/test_tree_placement.py::test_tree_refuses_dcp_where_dcpchecks_model_does",
+        1,
+        ("MismatchError: indexer's DCP refusal", "W=1, ratio 2, 1-token interleave: the tree refuses it"),
     ),
 )
 
