@@ -7,7 +7,7 @@ adds becomes a real file in the tree, the rest stay links.
 DIFF is ``git diff`` or ``git format-patch`` output of vLLM's repository
 (``--- a/vllm/...`` ``+++ b/vllm/...``; a new file from ``/dev/null``, a
 removed one to it), one section per file, or the seed diff, whose one file
-``SEED_PATHS`` maps. Each section is applied with GNU ``patch`` in the order
+``SEED_PATHS`` maps; its lines end at ``\n`` or ``\r\n`` only. Each section is applied with GNU ``patch`` in the order
 of the diff (a file may come twice, as in a series). A hunk that does not
 apply prints ``error: <file>: hunk #N (<its @@ line>) did not apply``, for
 every such hunk of every file, and exits 2; so do a path outside ``vllm/``
@@ -106,7 +106,9 @@ def read_hunk(lines: list[str], start: int) -> list[str]:
 
 def split_diff(text: str) -> list[FilePatch]:
     """The diff's file sections in order; what lies between them (commit messages, git's index lines) is skipped."""
-    lines = text.splitlines()
+    # Lines end at "\n" (and "\r\n") only: str.splitlines also breaks at a form feed or U+2028, which
+    # Python sources may hold, and would cut such a line short of its hunk.
+    lines = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
     sections: list[FilePatch] = []
     index = 0
     while index < len(lines):

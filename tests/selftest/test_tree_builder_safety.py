@@ -146,3 +146,11 @@ def test_bytes_and_odd_paths_are_one_error_line(fake, diff, says):
     assert "Traceback" not in done.stderr
     assert snapshot(fake["tmp"] / "site") | snapshot(fake["elsewhere"]) == before
     assert not (fake["tmp"] / "tree").exists()
+
+
+def test_a_form_feed_or_a_unicode_line_separator_stays_inside_its_line(fake):
+    added = "A = 1\n# page\x0cbreak, line\u2028separator\n"  # str.splitlines breaks at both: the file was cut short
+    diff = "--- /dev/null\n+++ b/vllm/added.py\n@@ -0,0 +1,2 @@\n+A = 1\n+# page\x0cbreak, line\u2028separator\n"
+    done = build(fake, fake["tmp"] / "tree", diff)
+    assert done.returncode == 0, done.stderr
+    assert (fake["tmp"] / "tree" / "vllm" / "added.py").read_text() == added
