@@ -9,9 +9,8 @@ DIFF is ``git diff`` or ``git format-patch`` output of vLLM's repository
 removed one to it), one section per file, or the seed diff, whose one file
 ``SEED_PATHS`` maps; its lines end at a newline (or CR LF) only. Each section
 is applied with GNU ``patch`` in the order of the diff (a file may come twice,
-as in a series). A hunk that does not
-apply prints ``error: <file>: hunk #N (<its @@ line>) did not apply``, for
-every such hunk of every file, and exits 2; so do a path outside ``vllm/``
+as in a series). A hunk that does not apply prints ``error: <file>: hunk #N
+(<its @@ line>) did not apply``, for every such hunk of every file, and exits 2; so do a path outside ``vllm/``
 (absolute, with ``..`` or a NUL), a file under a file, a folder, a file whose
 real path leaves OUT (through a folder link into or out of the installed
 vLLM: never written through), a rename, a binary patch, a diff that is not
