@@ -80,6 +80,8 @@ class Dsv41Implementation:
         kv_cache_format=FP8_DS_MLA,  # the layer's default kv_cache_dtype; None in the bf16 variant
     )
     max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
+    # build_attention's options of the production profile (dcpcheck/scenarios/production.py)
+    SERVED_OPTIONS = ("index_topk", "kv_pool_offset")
 
     def __init__(self, spec: str = "dsv41"):
         from dcpcheck.impls.vllm_adapter import VllmImplementation
@@ -178,18 +180,14 @@ class Dsv41Implementation:
                 return refusal
         return None
 
-    def topk_buffer(self, device) -> torch.Tensor:
-        """The model-wide top-k buffer every layer of this process shares (one per device)."""
-        device = torch.device(device)
-        buffer = self._topk_buffers.get(device)
+    def topk_buffer(self, device, width: int | None = None) -> torch.Tensor:
+        """The model-wide top-k buffer every layer of this process shares (one per device and
+        checkpoint ``index_topk``, ``width``; None: :func:`index_topk`)."""
+        key = (torch.device(device), index_topk() if width is None else width)
+        buffer = self._topk_buffers.get(key)
         if buffer is None:
-            buffer = torch.full(
-                (MAX_NUM_BATCHED_TOKENS, index_topk()),
-                -1,
-                dtype=torch.int32,
-                device=device,
-            )
-            self._topk_buffers[device] = buffer
+            buffer = torch.full((MAX_NUM_BATCHED_TOKENS, key[1]), -1, dtype=torch.int32, device=key[0])
+            self._topk_buffers[key] = buffer
         return buffer
 
     # ---- stage 1 -----------------------------------------------------------
@@ -317,8 +315,13 @@ class Dsv41Implementation:
         prefill_token_chunk=None,
         max_model_len=DEFAULT_MAX_MODEL_LEN,
         stack=None,
+        index_topk=None,
+        kv_pool_offset=None,
         **options,
     ):
+        """The served options (:data:`SERVED_OPTIONS`, the production profile's): ``index_topk``, the
+        checkpoint's top-k width (one vLLM serves under DCP); ``kv_pool_offset``, bytes past which the
+        compressed cache's pages sit in its KV pool (:mod:`dcpcheck.impls.dsv41.server.kv_pool`)."""
         if options:
             raise TypeError(f"build_attention: unknown options {sorted(options)}")
         if layout.world_size != group.world_size:
@@ -333,6 +336,11 @@ class Dsv41Implementation:
                 f"KV layout bs={layout.bs}, S={layout.interleave}: vLLM needs block_size % "
                 f"cp_kv_cache_interleave_size == 0 (here {layout.bs * layout.rho} % {layout.interleave * layout.rho})"
             )
+        served = sources.served_topk_widths()
+        if index_topk is not None and index_topk not in served:
+            raise ValueError(f"index_topk={index_topk}: vLLM serves {', '.join(map(str, served))} under DCP")
+        if kv_pool_offset is not None and kv_pool_offset < 0:
+            raise ValueError(f"kv_pool_offset={kv_pool_offset}: a byte offset is 0 or more")
         check_stage_gate(self.tree, group, world_size=group.world_size)
         if prefill_gather is None:
             prefill_gather = os.environ.get("DSV41_DCP_PREFILL_GATHER", "0") == "1"
@@ -347,6 +355,8 @@ class Dsv41Implementation:
             prefill_gather=prefill_gather,
             prefill_token_chunk=prefill_token_chunk,
             max_model_len=max_model_len,
+            topk_width=index_topk,
+            kv_pool_offset=kv_pool_offset,
         )
 
     # ---- answers asked before launch ----------------------------------------

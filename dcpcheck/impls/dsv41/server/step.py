@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcpcheck.impls.dsv41.server import kv_cache_format
+from dcpcheck.impls.dsv41.server import kv_cache_format, kv_pool
 from dcpcheck.impls.dsv41.server.layer import NULL_PAGE, LayerSpec, build_port_layer, index_topk, padded_topk_width
 from dcpcheck.impls.dsv41.server.metadata import block_table_width, build_compressed_metadata, compressed_cache_spec
 from dcpcheck.impls.dsv41.server.swa_pages import (
@@ -39,6 +39,7 @@ class StepMetadata:
     comp_write_slots: torch.Tensor | None  # [T] int64, suite order
     swa_write_slots: torch.Tensor | None  # [T] int64, suite order
     layout: tuple
+    pool_shift: int = 0  # the compressed block table's pages moved into a KV pool by this (kv_pool)
 
 
 def check_sources_agree(layer, stack) -> None:
@@ -71,8 +72,15 @@ class PortAttention:
         prefill_token_chunk,
         max_model_len,
         stack=None,
+        topk_width=None,
+        kv_pool_offset=None,
     ):
+        """``topk_width``: the checkpoint's ``index_topk`` (the model-wide top-k buffer's width and the
+        metadata builder's ``topk_tokens``; None: :func:`index_topk`). ``kv_pool_offset``: bytes; the
+        compressed cache's pages sit at or past it in a pool as vLLM allocates it (:mod:`.kv_pool`)."""
         self.impl = impl
+        self.topk_width = index_topk() if topk_width is None else topk_width
+        self.kv_pool_offset = kv_pool_offset
         self.stack = stack
         self.group = group
         self.rho, self.bs, self.interleave, self.world_size = (
@@ -258,7 +266,7 @@ class PortAttention:
             block_table=wide,
             token_to_req=token_to_req_new,
             num_actual_tokens=int(valid.sum()),
-            topk_tokens=index_topk(),
+            topk_tokens=self.topk_width,
         )
         if not hasattr(compressed, "seq_lens"):
             # The port's stage-9 gather reads attn_metadata.seq_lens, a field the
@@ -297,7 +305,7 @@ class PortAttention:
                 head_dim=q_local.shape[2],
                 window=window,
                 sink=sink,
-                topk_buffer=self.impl.topk_buffer(self.group.device),
+                topk_buffer=self.impl.topk_buffer(self.group.device, self.topk_width),
                 max_num_batched_tokens=self.impl.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 topology=None if self.stack is None else self.stack.topology,
@@ -318,19 +326,28 @@ class PortAttention:
             raise ValueError("the dsv41 layer's sink is a weight: it cannot change between forwards")
         return self._layer
 
-    def _mirror(self, cache: torch.Tensor, page: int) -> torch.Tensor:
+    def _mirror(self, cache: torch.Tensor, page: int) -> tuple[torch.Tensor, int]:
         """A suite cache ``[pages * page, D]`` as the layer reads it, in its ``kv_cache_dtype``
         (:mod:`.kv_cache_format`), refreshed; one per cache for the whole process, so layers
-        sharing a kv source's cache see one address, as in vLLM."""
+        sharing a kv source's cache see one address, as in vLLM. -> (the cache, the shift of its
+        pages into a KV pool: 0 without ``kv_pool_offset``)."""
         known = self.impl.cache_mirrors.get(id(cache))
         if known is None or known[0]() is not cache:
             num_pages, head_dim = cache.shape[0] // page, cache.shape[1]
-            mirror = kv_cache_format.allocate(self.impl.kv_cache_dtype, num_pages, page, head_dim, cache.device)
+            if self.kv_pool_offset is None:
+                mirror = kv_pool.PooledCache(
+                    kv_cache_format.allocate(self.impl.kv_cache_dtype, num_pages, page, head_dim, cache.device), 0
+                )
+            else:
+                mirror = kv_pool.allocate_pooled(
+                    self.impl.kv_cache_dtype, num_pages, page, head_dim, cache.device, offset_bytes=self.kv_pool_offset
+                )
             known = (weakref.ref(cache), mirror)
             self.impl.cache_mirrors[id(cache)] = known
         mirror = known[1]
-        kv_cache_format.write(mirror, torch.arange(cache.shape[0], device=cache.device), cache)
-        return mirror
+        slots = kv_pool.pool_slots(torch.arange(cache.shape[0], device=cache.device), page, mirror.shift)
+        kv_cache_format.write(mirror.cache, slots, cache)
+        return mirror.cache, mirror.shift
 
     def _swa_pages(self, swa_cache: torch.Tensor, plan: StepMetadata, head_dim: int) -> torch.Tensor:
         """This layer's SWA cache as vLLM allocates it, holding at their slots the suite buffer's rows the
@@ -406,7 +423,13 @@ class PortAttention:
             buffer[:rows, : topk.shape[1]] = topk[order].to(torch.int32)
         head_dim = q.shape[2]
         layer.swa_cache_layer.kv_cache = self._swa_pages(swa_cache, plan, head_dim)
-        comp = None if self.rho == 0 else self._mirror(comp_cache, self.bs)
+        comp = None
+        if self.rho >= 1:
+            comp, shift = self._mirror(comp_cache, self.bs)
+            if shift != plan.pool_shift:
+                # The step's one metadata object: its table moves into the pool once, for every layer.
+                kv_pool.shift_table(plan.compressed.block_table, shift - plan.pool_shift)
+                plan.pool_shift = shift
         output = torch.zeros((rows, layer.padded_heads, head_dim), dtype=torch.bfloat16, device=q.device)
         with cuda_query_stand_ins(), self._forward_context(layer, plan, comp), self.impl.calling(layer):
             layer.forward_mqa(q[order].to(torch.bfloat16), None, None, output)
