@@ -7,22 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.selftest.inner import run_sessions_in_one_interpreter, write_session
+from tests.selftest.session_sources import MULTI_RANK_TESTS
 
 pytestmark = pytest.mark.spawned_only
-
-MULTI_RANK_TESTS = """
-import pytest
-
-def one(ctx):
-    return ctx.rank
-
-def test_any_size(dcp):
-    dcp.run(one)
-
-@pytest.mark.world_sizes(2)
-def test_two_only(dcp):
-    dcp.run(one)
-"""
 
 RAISING_ATTRIBUTES_IMPL = """
 from dcpcheck.impls.conventions import Conventions

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.selftest.inner import inner_env, run_sessions_in_one_interpreter, write_session
-from tests.selftest.test_usage_errors import MULTI_RANK_TESTS
+from tests.selftest.session_sources import MULTI_RANK_TESTS
 
 pytestmark = pytest.mark.spawned_only
 
