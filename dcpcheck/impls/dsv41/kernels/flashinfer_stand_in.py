@@ -13,7 +13,8 @@ Here those names come from the source of the release the tree's vLLM pins
 * ``_trtllm_batch_decode_sparse_mla_sm120`` is the entry's own ``def`` line
   (its parameters and defaults, compiled from that file) over a body of
   dcpcheck's: the checks the entry makes before its kernel (written from its
-  source, 0.7.2.post1), then :func:`.reference_kernel.sparse_attention_with_lse`.
+  source, 0.7.2.post1), then the kernel :mod:`.selection` picks (the reference
+  kernel, :func:`.reference.sparse_attention_with_lse`, where no real one runs).
   A missing, extra or misnamed argument raises Python's own ``TypeError``
   at the call, naming the entry, as it would on SM120.
 
@@ -36,9 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
 from dcpcheck.impls.dsv41.kernels.flashinfer_sources import FlashInferSources
 from dcpcheck.impls.dsv41.kernels.record_formats import check_record_formats
+from dcpcheck.impls.dsv41.kernels.selection import KernelSelection
 
 MODULE = "flashinfer.mla._core"
 ENTRY = "_trtllm_batch_decode_sparse_mla_sm120"
@@ -102,6 +103,8 @@ class FlashInferCore:
 
     sources: FlashInferSources
     fixes: dict = field(default_factory=lambda: dict(FINDING_6_FIX))
+    # Where the kernel computes: the reference kernel, or a real one where one runs (selection.py).
+    selection: KernelSelection = field(default_factory=KernelSelection)
 
     def __post_init__(self):
         path = self.sources.core
@@ -179,7 +182,7 @@ class FlashInferCore:
         )
         if flat[0]:
             extra = segments[1] if len(segments) > 1 else None
-            reference_kernel.sparse_attention_with_lse(
+            self.selection.compute(
                 query.reshape(flat + (head_dim,)),
                 kv_cache,
                 segments[0].indices,
@@ -191,6 +194,7 @@ class FlashInferCore:
                 float(call["sm_scale"]),
                 self.namespace["_normalize_optional_mla_sink"](call["sinks"], "backend='sparse'"),
                 lse_flat,
+                entry_call=call,
             )
             # lse_scale multiplies the final base-2 LSEs; the empty-row sentinel is unchanged.
             lse_flat.copy_(torch.where(torch.isinf(lse_flat), lse_flat, lse_flat * float(call["lse_scale"])))

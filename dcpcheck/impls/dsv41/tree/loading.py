@@ -5,13 +5,14 @@ imported, so each distinct environment gets its own module object executed
 from the tree's file: what a server started with that environment runs.
 The port's SM120 wrapper (``_sm120_sparse_attention_with_lse``) runs as it is,
 over FlashInfer's ``flashinfer.mla._core`` from the pinned release's source
-(:mod:`.flashinfer_stand_in`: the entry's real signature, the reference kernel
-computing); the DCP1 path's kernel name is FlashInfer's public DSV4 entry from
-the same source (:mod:`.flashinfer_dsv4_entry`: its signature and its SM120
-route's checks, into that SM120 entry), so both paths meet FlashInfer's
-argument checks (the SM120 kernel needs an SM120 GPU and fp8_ds_mla caches of
-head dim 512, where the driver writes that record scaled down to the case's
-head dim); everything else is the tree's code.
+(:mod:`.flashinfer_stand_in`: the entry's real signature and checks, then the
+kernel :mod:`.selection` picks: FlashMLA on SM90/SM100, FlashInfer's own on
+SM120, at head dim 512 over the 584-byte record; the reference kernel
+elsewhere and at the case's scaled-down record); the DCP1 path's kernel name
+is FlashInfer's public DSV4 entry from the same source (:mod:`.flashinfer_dsv4_entry`:
+its signature and its SM120 route's checks, into that SM120 entry), so both
+paths meet FlashInfer's argument checks and the same choice;
+everything else is the tree's code.
 """
 
 from __future__ import annotations
@@ -91,23 +92,6 @@ class PortSpec:
         return cls(parts[1], parts[2], kv_cache_dtype)
 
 
-def reference_kernel_reason() -> str:
-    """Why the reference kernel stands in for FlashInfer's SM120 kernel here.
-
-    The SM120 kernel reads fp8_ds_mla caches of head dim 512; the driver writes
-    that record scaled down to the case's head dim (or bf16 pages, dcpcheck's
-    variant), which the real kernel would reject. Binding it would turn that
-    into false failures, so the reference is always used and the header says why."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "SM120 kernel not runnable here: no GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if major != 12:
-        return f"SM120 kernel not runnable here: SM{major}{minor}, the kernel needs SM120"
-    return "the SM120 kernel reads fp8_ds_mla caches of head dim 512; dcpcheck's are scaled down (docs/dsv41.md)"
-
-
 def _file_of(module_name: str) -> str:
     try:
         spec = importlib.util.find_spec(module_name)
@@ -179,7 +163,7 @@ class PortTree:
         return (
             f"the port's {SM120_WRAPPER} runs, into FlashInfer {self.flashinfer.sources.version}'s "
             f"{ENTRY} (its signature and argument checks, from {self.flashinfer.sources.core}) "
-            f"over the reference kernel ({reference_kernel_reason()}); the DCP1 path's {DCP1_KERNEL}: FlashInfer's "
+            f"computing: {self.flashinfer.selection.describe()}; the DCP1 path's {DCP1_KERNEL}: FlashInfer's "
             f"{PUBLIC_ENTRY} (its signature and SM120 route's checks, from the same file) into that entry"
         )
 
