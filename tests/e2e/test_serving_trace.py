@@ -92,12 +92,15 @@ def check_serving_trace(
     token_budget: int = TOKEN_BUDGET,
     prefill_token_chunk=None,
     heads_per_rank: int | None = None,
+    kernel_heads: int | None = None,
     common_component: float = 0.0,
     max_model_len: int | None = None,
 ):
     """``layers``: the stack, or generated from ``topology`` (the layers each
     told its place in it). ``heads_per_rank``: H = heads_per_rank * W (default
     H = NUM_HEADS); an implementation that declares its ``local_heads`` gets those instead.
+    ``kernel_heads``: H itself, the heads the attention kernel sees (gathered at W > 1), whatever
+    the implementation declares.
     ``common_component``: LayerTensors' (large LSEs). ``max_model_len``: the
     layers' (``build_attention``'s option; None: the implementation's default)."""
     declared = conventions_of(ctx.impl)
@@ -105,7 +108,7 @@ def check_serving_trace(
         layers = topology.layer_specs(
             interleave_tokens=interleave_tokens, tokens_per_page=TOKENS_PER_PAGE, top_k=DSV41_TOP_K
         )
-    num_heads = (declared.local_heads or heads_per_rank or NUM_HEADS // ctx.world_size) * ctx.world_size
+    num_heads = kernel_heads or (declared.local_heads or heads_per_rank or NUM_HEADS // ctx.world_size) * ctx.world_size
     heads = own_heads(ctx, num_heads)
     steps = schedule_trace(requests, token_budget=token_budget, pad_to=PAD_TO)
     tensors = []
@@ -320,6 +323,7 @@ def check_dsv41_trace(
     requests=DSV41_REQUESTS,
     token_budget=DSV41_TOKEN_BUDGET,
     max_model_len=None,
+    kernel_heads=None,
 ):
     return check_serving_trace(
         ctx,
@@ -329,6 +333,7 @@ def check_dsv41_trace(
         interleave_tokens=interleave_tokens,
         prefill_token_chunk=prefill_token_chunk,
         heads_per_rank=1,
+        kernel_heads=kernel_heads,
         requests=requests,
         token_budget=token_budget,
         max_model_len=max_model_len,
@@ -402,6 +407,26 @@ def test_dsv41_interleave_sweep(dcp, interleave_tokens):
 @pytest.mark.parametrize("prefill_gather", PATHS)
 def test_dsv41_ratio1_trace(dcp, prefill_gather):
     dcp.run(check_dsv41_trace, topology=DSV41_RATIO1_TOPOLOGY, interleave_tokens=2, prefill_gather=prefill_gather)
+
+
+# The SM120 kernel's largest head count, 128, which the suite's 8 heads a rank
+# never reach: DeepSeek-V4.1's 128 heads at TP 1 (W = 1: the DCP1 path, the
+# layer's own padded heads), and its 64 heads a rank at TP 2 gathered by DCP 2
+# (W = 2: the DCP path's gathered heads; 16 a rank at DCP 8 gathers as many).
+# A constant of the port only 128-head layers meet shows here. The stage-3
+# path, at the suite's small head dim.
+@pytest.mark.stage(STAGE_COMBINE)
+@pytest.mark.world_sizes(1, 2)
+def test_dsv41_128_kernel_heads(dcp):
+    dcp.run(
+        check_dsv41_trace,
+        topology=DSV41_RATIO1_TOPOLOGY,
+        interleave_tokens=2,
+        prefill_gather=False,
+        requests=SHORT_REQUESTS,
+        token_budget=16,
+        kernel_heads=128,
+    )
 
 
 # Requests that reach every page of a rank's block table. vLLM sizes a rank's

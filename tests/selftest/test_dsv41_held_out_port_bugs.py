@@ -12,7 +12,11 @@ merge mistake, now failing the dsv41 test that reaches it, where the seed tree p
   its int64 slots handed to the DCP1 path's kernel name. That name was bound straight to the
   reference kernel, which reads any integer dtype; it is now FlashInfer's public entry with its
   argument checks (:mod:`dcpcheck.impls.dsv41.kernels.flashinfer_dsv4_entry`), which refuses
-  indices that are not int32."""
+  indices that are not int32;
+* ``heads_set_without_128``: the port's sparse-MLA head set copied as ``(8, 16, 32, 64)``, the set
+  FlashInfer's V4.1 forms list for dual-cache prefill, so a layer the kernel sees with 128 heads
+  (TP 1, or 64 a rank gathered by DCP 2) cannot be built; the suite's 8 heads a rank never met it,
+  ``test_dsv41_128_kernel_heads`` does (issue 52, item 4(b))."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ pytestmark = NEEDS_VLLM_AND_SEED
 PORT_FILE = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"
 RATIO1_DCP_DECODE = "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W2-stage3_chunked]"
 RATIO1_GATHER = "tests/e2e/test_serving_trace.py::test_dsv41_ratio1_trace[W2-gather]"
+KERNEL_HEADS_128 = "tests/e2e/test_serving_trace.py::test_dsv41_128_kernel_heads[W2]"
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,14 @@ PLANTS = (
         RATIO1_GATHER,
         2,
         ("sparse_mla_segments[1].indices must have dtype torch.int32, got torch.int64",),
+    ),
+    HeldOutBug(
+        "heads_set_without_128",
+        "_SPARSE_MLA_SUPPORTED_Q_HEADS = (8, 16, 32, 64, 128)",
+        "_SPARSE_MLA_SUPPORTED_Q_HEADS = (8, 16, 32, 64)",
+        KERNEL_HEADS_128,
+        2,
+        ("does not support 128 heads",),
     ),
 )
 
