@@ -4,7 +4,7 @@ The implementation under test, re-arranged into a port of another scheme
 (:class:`DeclaredScheme`: its own ``gather_heads``, ``sparse_attention`` and
 ``combine``, composed the way an ``after_merge`` or ``minus_log_w`` port
 composes them, and declaring that scheme), passes every check of
-:func:`tests.stage3_combine.test_sharded_attention.check_sharded_attention`:
+:func:`tests.stage3_combine.sharded_attention.check_sharded_attention`:
 the per-rank partial is checked against the declared scheme's, the end result
 against DCP1 as for ``rank0``. A port that mixes schemes fails those checks
 (the mutants ``SinkFoldedAgainAfterMerge``, ``SinkMinusLogWOnEveryRank`` and
@@ -22,7 +22,7 @@ import torch
 from dcpcheck.impls.conventions import Conventions, conventions_of
 from dcpcheck.oracle import attention as oracle
 from dcpcheck.stages import STAGE_COMBINE
-from tests.stage3_combine.test_sharded_attention import check_sharded_attention
+from tests.stage3_combine.sharded_attention import check_sharded_attention
 
 pytestmark = [
     pytest.mark.stage(STAGE_COMBINE),
