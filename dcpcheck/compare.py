@@ -2,6 +2,9 @@
 
 Every check of the suite compares through this module, so a failure always
 names what differs, the worst error and where (token, head, dim / slot).
+Each tensor is read through a plain view of its memory
+(:func:`dcpcheck.plain_tensors.plain`): a subclass the implementation returns
+cannot lie to a comparison about its values.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from dcpcheck.oracle.attention import EMPTY_LSE, is_empty_lse
+from dcpcheck.plain_tensors import UnreadableTensorError, plain
 
 
 class MismatchError(AssertionError):
@@ -51,7 +55,16 @@ class TokenRows:
 
 
 def _as_list(values) -> list:
+    values = _plain(values)
     return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _plain(value):
+    """``value`` read through a plain view (:func:`plain`); one that has no plain memory is a mismatch."""
+    try:
+        return plain(value)
+    except UnreadableTensorError as exc:
+        raise MismatchError(f"an output is {exc}") from None
 
 
 def _listing(values) -> str:
@@ -95,6 +108,7 @@ def run_every_check(checks: Sequence[tuple[str, Callable[[], object]]]) -> None:
 
 def assert_compact_prefix(slots, counts, rows: TokenRows, *, what: str) -> None:
     """Row ``t`` of ``slots [T, K]`` holds ``counts[t]`` entries >= 0, then only -1."""
+    slots, counts = _plain(slots), _plain(counts)
     width = slots.shape[1]
     problems = []
     for t, (row, count) in enumerate(zip(slots.tolist(), counts.tolist())):
@@ -115,7 +129,7 @@ def assert_row_sets_equal(actual, expected, rows: TokenRows, *, what: str) -> No
     same set (order ignored, widths may differ); an entry repeated in
     ``actual`` is a problem too."""
     problems = []
-    for t, (got_row, want_row) in enumerate(zip(actual.tolist(), expected.tolist())):
+    for t, (got_row, want_row) in enumerate(zip(_plain(actual).tolist(), _plain(expected).tolist())):
         got, repeated = set(), set()
         for value in got_row:
             if value >= 0:
@@ -135,6 +149,7 @@ def assert_row_sets_equal(actual, expected, rows: TokenRows, *, what: str) -> No
 
 def assert_rows_disjoint(per_rank, rows: TokenRows, *, what: str) -> None:
     """No entry >= 0 of a token row is held by two ranks; ``per_rank`` is [W, T, K]."""
+    per_rank = _plain(per_rank)
     problems = []
     for t in range(per_rank.shape[1]):
         holder: dict[int, int] = {}
@@ -153,6 +168,7 @@ def assert_rows_disjoint(per_rank, rows: TokenRows, *, what: str) -> None:
 def assert_equal_ints(actual, expected, *, case: str, what: str, name_index) -> None:
     """Elementwise equality of two integer tensors of one shape.
     ``name_index(*index)`` says in words where an element is (e.g. a token row)."""
+    actual, expected = _plain(actual), _plain(expected)
     if tuple(actual.shape) != tuple(expected.shape):
         raise MismatchError(f"{case}: {what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
     actual, expected = actual.long(), expected.long()
@@ -181,8 +197,12 @@ def assert_outputs(capability: str, result, expected: Sequence[Expected], *, dev
     """``result`` of ``capability`` is one tensor (one ``expected``) or a tuple
     of as many, each of the stated shape, dtype and device; else a
     :class:`MismatchError` naming the capability, the output and what was
-    expected. Returns ``result``."""
+    expected. Returns ``result``, each tensor read through a plain view (:func:`plain`)."""
     where = f" ({context})" if context else ""
+    if isinstance(result, tuple | list):
+        result = type(result)(_plain(output) for output in result) if type(result) in (tuple, list) else result
+    else:
+        result = _plain(result)
     outputs = (result,) if len(expected) == 1 else result
     if len(expected) > 1 and not (isinstance(result, tuple | list) and len(result) == len(expected)):
         got = (
@@ -402,6 +422,7 @@ def assert_close(
     actual vs expected there, and how many elements are out of tolerance.
     Returns the error statistics when it passes.
     """
+    actual = _plain(actual)  # its dtype picks the tolerance
     tolerance = tolerance or tolerance_for(quantity, dtype or actual.dtype)
     return _check(actual, expected, _as_float64, tolerance, what, context, dims, row_labels, offsets)
 
@@ -425,6 +446,7 @@ def assert_lse_close(
 
 def _check(actual, expected, prepare, tolerance, what, context, dims, row_labels, offsets) -> CloseStats:
     where = f"{what} ({format_context(context)})" if context else what
+    actual, expected = _plain(actual), _plain(expected)
     if tuple(actual.shape) != tuple(expected.shape):
         raise MismatchError(f"{where}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     # On a GPU when either side is there: a realistic output is 10^8 elements, seconds of host float64

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from dcpcheck.impls.protocol import CAPABILITIES, DcpImplementation
+from dcpcheck.plain_tensors import plain_over
 
 # What a call may write of its arguments (the contract's sections 5.3, 5.4):
 # prefill_remap its top-k ("in place": slot k for id k), a layer's forward the
@@ -89,21 +90,20 @@ def _named_arguments(signature: inspect.Signature | None, args: tuple, kwargs: d
 # ---- reading tensors without their own methods ------------------------------
 # Everything the check reads of an argument goes through these: a tensor
 # subclass's __torch_function__ (one that claims every comparison equal) never
-# runs, and what is compared is a plain tensor over the same bytes.
+# runs, and what is compared is a plain tensor over the same bytes
+# (dcpcheck.plain_tensors, through which the output comparison reads too).
 
 
 def _plain_view(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor over the elements ``tensor`` views now."""
     with torch._C.DisableTorchFunctionSubclass():
-        return _over(tensor.untyped_storage(), tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
-
-
-def _over(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, shape, stride) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        return plain_over(
+            tensor.untyped_storage(), tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
 
 
 def _bytes(storage: torch.UntypedStorage, span: tuple[int, int]) -> torch.Tensor:
-    return _over(storage, torch.uint8, span[0], (span[1] - span[0],), (1,))
+    return plain_over(storage, torch.uint8, span[0], (span[1] - span[0],), (1,))
 
 
 def _checkable(value) -> bool:
@@ -174,7 +174,7 @@ class _Snapshot:
         """The view's elements as they were, over the copy."""
         offset, shape, stride = self.geometry
         start = offset - self.span[0] // self.dtype.itemsize
-        return _over(self.saved.untyped_storage(), self.dtype, start, shape, stride)
+        return plain_over(self.saved.untyped_storage(), self.dtype, start, shape, stride)
 
     def changes(self) -> str | None:
         """How the call changed what this argument can reach, or None."""
