@@ -9,7 +9,9 @@ import pytest
 from dcpcheck import triton_interpreter
 from dcpcheck.impls.protocol import NOT_ON_PORT_PATH
 from dcpcheck.plugin.junit_properties import GPU_PEAK_PREFIX, INTERPRETER_FALLBACK, STAGE
+from dcpcheck.plugin.runner import ThreadedCall
 from dcpcheck.plugin.session import SESSION
+from dcpcheck.ranks.rankfn import describe_exception
 from dcpcheck.stages import STAGE_ENV, STAGES
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
@@ -27,6 +29,32 @@ def skip_reason_of(report) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
     return reason.removeprefix("Skipped: ")
+
+
+def _description(session) -> tuple[str | None, bool]:
+    """-> (the implementation's ``describe()`` as a plain string, or None
+    without one; False), or (why asking failed, True): it raised, answered
+    something else, or did not return within the case timeout. The run's
+    outcome stands either way: what it says of the run is not a check."""
+    asked = f"{session.impl_spec}.describe()"
+
+    def ask():
+        describe = getattr(session.impl, "describe", None)
+        return describe() if callable(describe) else None
+
+    call = ThreadedCall(ask)
+    if not call.finished(session.timeout):
+        innermost = " ".join(line.strip() for line in call.stack().splitlines()[-2:])
+        return f"{asked} did not return within {session.timeout:g} s (--dcp-timeout); stuck at {innermost}", True
+    try:
+        text = call.result()
+    except KeyboardInterrupt:
+        raise  # a Ctrl-C stays one
+    except BaseException as exc:  # noqa: BLE001 - the implementation's error (a sys.exit() too), named
+        return f"{asked} raised {' '.join(describe_exception(exc, of_rank_function=False).split())}", True
+    if text is None or isinstance(text, str):
+        return (None if text is None else str.__str__(text)), False
+    return f"{asked} returned a {type(text).__name__}; accepted: a string or None", True
 
 
 def write_stage_table(terminalreporter, config) -> None:
@@ -65,10 +93,10 @@ def write_stage_table(terminalreporter, config) -> None:
             f"mode={session.mode.name} {STAGE_ENV}={'unset' if session.reached is None else session.reached}"
         )
         terminalreporter.write_line(triton_interpreter.install().header_line(sorted(interpreter_fallbacks)))
-        describe = getattr(session.impl, "describe", None)
-        if callable(describe):
+        description, failed = _description(session)
+        if description is not None:
             # What the implementation runs here (e.g. which kernel stands in for one that cannot run).
-            terminalreporter.write_line(describe())
+            terminalreporter.write_line(description, red=failed)
     terminalreporter.write_line(f"{'stage':<40}" + "".join(f"{c:>9}" for c in COLUMNS))
     for stage in sorted(counts):
         row = counts[stage]
