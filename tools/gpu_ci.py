@@ -135,10 +135,25 @@ VLLM_SESSIONS = (
         "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.8, wave=1
     ),
 )
+# The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the
+# real port, in wave 1 beside the vllm and dsv41 sessions: its cases are few and large (two workers), and
+# shorter together than the dsv41 session, so the CI's wall time stays that of its two waves.
+PRODUCTION_SESSION = Session(
+    "production",
+    (Step("production", ("tests/production",)),),
+    extra_args=("--dcp-impl", "dsv41", "-rfExX"),
+    workers_share=0.4,
+    wave=1,
+)
+# The sessions that run only where vLLM imports.
+NEEDS_VLLM = (*VLLM_SESSIONS, PRODUCTION_SESSION)
+# The steps whose summary adds wall time and peak GPU memory per W.
+PER_WORLD_STEPS = ("production",)
 SESSIONS = (
     Session("pool", POOL_STEPS),
     *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),
     *VLLM_SESSIONS,
+    PRODUCTION_SESSION,
 )
 STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
 
@@ -314,6 +329,7 @@ class Phases:
     seconds: float = 0.0  # the cases' own durations (JUnit), pool starts and compiles included
     totals: dict = field(default_factory=lambda: dict.fromkeys(prop.PHASES, 0.0))
     modules: dict = field(default_factory=lambda: defaultdict(float))  # test module -> its cases' seconds
+    worlds: dict = field(default_factory=lambda: defaultdict(float))  # W -> its cases' seconds
 
     @property
     def checking(self) -> float:
@@ -362,6 +378,7 @@ def summarize(
             step_phases.cases += 1
             step_phases.seconds += float(case.get("time") or 0.0)
             step_phases.modules[case.get("classname", "").split("::")[0]] += float(case.get("time") or 0.0)
+            step_phases.worlds[case_key(step, case)[2]] += float(case.get("time") or 0.0)
             for phase in prop.PHASES:
                 step_phases.totals[phase] += float(props.get(prop.measured(phase), 0.0))
             row = rows[case_key(step, case)]
@@ -411,6 +428,21 @@ def phase_totals(phases: dict[str, Phases]) -> str:
         f"pool starts tried again for GPU memory: {totals['out_of_memory_retries']:.0f}; "
         f"idle pools ended for GPU memory: {totals['idle_pools_ended']:.0f}"
     )
+
+
+def per_world_lines(rows: dict[tuple, Row], phases: dict[str, Phases]) -> list[str]:
+    """Markdown: for each of PER_WORLD_STEPS that ran, its cases' seconds and peak GPU memory per W."""
+    lines = []
+    for step in (s for s in PER_WORLD_STEPS if s in phases):
+        lines += ["", f"| {step}: W | cases | case s | peak GPU GiB |", "|---|---:|---:|---:|"]
+        for world in sorted(phases[step].worlds, key=lambda w: int(w) if w.isdigit() else 0):
+            ran = [row for key, row in rows.items() if key[0] == step and key[2] == world]
+            peak = max((row.gpu_peak_bytes for row in ran), default=0)
+            lines.append(
+                f"| {world} | {sum(row.cases for row in ran)} | {phases[step].worlds[world]:.1f} "
+                f"| {f'{peak / 2**30:.2f}' if peak else '-'} |"
+            )
+    return lines
 
 
 def render(
@@ -463,6 +495,7 @@ def render(
             f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} | {t['out_of_memory_retries']:.0f} "
             f"| {t['idle_pools_ended']:.0f} |"
         )
+    lines += per_world_lines(rows, phases)
     # The longest modules bound a session's wall time (each runs on one xdist worker).
     modules = sorted(((sec, step, m) for step, p in phases.items() for m, sec in p.modules.items()), reverse=True)
     lines += ["", phase_totals(phases)]
@@ -561,9 +594,9 @@ def plan(
     why the vLLM sessions are left out or None)."""
     wanted = set(args.steps.split(",")) if args.steps else set(STEP_NAMES)
     runs, junit_files, sessions = [], {}, []
-    left_out = vllm_missing() if wanted & {s.name for s in VLLM_SESSIONS} else None
+    left_out = vllm_missing() if wanted & {s.name for s in NEEDS_VLLM} else None
     for session in SESSIONS:
-        if left_out and session in VLLM_SESSIONS:
+        if left_out and session in NEEDS_VLLM:
             continue
         step_paths = {s.name: expand(s.paths) for s in session.steps if s.name in wanted and expand(s.paths)}
         if not step_paths:
@@ -612,7 +645,7 @@ def main(argv=None) -> int:
         f"wall {wall:.1f} s ({waves})\n\n"
     )
     if left_out:
-        header += f"Not run: {', '.join(s.name for s in VLLM_SESSIONS)}: {left_out}\n\n"
+        header += f"Not run: {', '.join(s.name for s in NEEDS_VLLM)}: {left_out}\n\n"
     summary = header + render(rows, phases, runs, order, xfails, xpasses) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
