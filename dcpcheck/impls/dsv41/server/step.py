@@ -25,6 +25,8 @@ from dcpcheck.impls.dsv41.server.token_slots import tree_token_slots
 from dcpcheck.impls.dsv41.tree.loading import cuda_query_stand_ins, patched
 from dcpcheck.impls.dsv41.tree.sources import swa_block_size
 
+MIRROR_ROWS = 1 << 16  # rows of a suite cache written into the layer's cache at once
+
 
 @dataclass
 class StepMetadata:
@@ -345,8 +347,10 @@ class PortAttention:
             known = (weakref.ref(cache), mirror)
             self.impl.cache_mirrors[id(cache)] = known
         mirror = known[1]
-        slots = kv_pool.pool_slots(torch.arange(cache.shape[0], device=cache.device), page, mirror.shift)
-        kv_cache_format.write(mirror.cache, slots, cache)
+        # In pieces: the writer's fp32 temporaries of a served cache's every row would be gigabytes.
+        for start in range(0, cache.shape[0], MIRROR_ROWS):
+            rows = torch.arange(start, min(start + MIRROR_ROWS, cache.shape[0]), device=cache.device)
+            kv_cache_format.write(mirror.cache, kv_pool.pool_slots(rows, page, mirror.shift), cache[rows])
         return mirror.cache, mirror.shift
 
     def _swa_pages(self, swa_cache: torch.Tensor, plan: StepMetadata, head_dim: int) -> torch.Tensor:
