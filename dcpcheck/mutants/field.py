@@ -202,6 +202,26 @@ MUTANTS = (
         "stride from the row width",
         patch=Patch("prefill.py", "        topk.stride(0),\n", "        top_k,\n"),
     ),
+    prefill_mutant(
+        name="SubChunkQueriesFromFirst",
+        description="https://github.com/vllm-project/vllm/issues/54300: a prefill longer than the token chunk "
+        "attends every sub-chunk with the first sub-chunk's queries (short prompts clean, long ones corrupt)",
+        patch=Patch(
+            "attention.py",
+            "q = gather_heads(q_local[rows], group, dim=1)",
+            "q = gather_heads(q_local[:step], group, dim=1)",
+        ),
+    ),
+    prefill_mutant(
+        name="RemapInterleaveOne",
+        description="https://github.com/vllm-project/vllm/issues/56715: the prefill gather's id remap assumes "
+        "an interleave of 1 (with 64, token 1 reads the key of token 64)",
+        patch=Patch(
+            "prefill.py",
+            "owner_and_local(offset, world_size, interleave)",
+            "owner_and_local(offset, world_size, 1)",
+        ),
+    ),
 )
 
 # docs/field-bugs.md patch id -> the catalog mutant carrying it.
@@ -237,6 +257,8 @@ PATCH_MUTANTS: dict[str, str] = {
     "pages-ceil-off-by-one": "PagesCeilOffByOne",
     "pages-no-minimum": "PagesWithoutMinimum",
     "remap-row-stride-as-width": "RemapRowStrideAsWidth",
+    "sub-chunk-first-queries": "SubChunkQueriesFromFirst",
+    "remap-interleave-one": "RemapInterleaveOne",
 }
 
 # Patches that change no output of this port (docs/field-bugs.md note 1): the
