@@ -141,7 +141,8 @@ VLLM_SESSIONS = (
 PRODUCTION_SESSION = Session(
     "production",
     (Step("production", ("tests/production",)),),
-    extra_args=("--dcp-impl", "dsv41", "-rfExX"),
+    # After the run's --dcp-timeout, so it wins: a case at 300K tokens builds its inputs and caches on each rank.
+    extra_args=("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX"),
     workers_share=0.4,
     wave=1,
 )

@@ -29,6 +29,9 @@ from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
 pytestmark = pytest.mark.needs("build_attention")
 
+# One rank's inputs at 300K tokens and D = 512 (states and window, 0.7 GB each, fp32 while rounded through the
+# record), its 2 GiB KV pool and its cache: about 4 GiB (estimated, not measured yet).
+SERVED = pytest.mark.gpu_memory(4)
 GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
 
@@ -56,6 +59,7 @@ def layouts(world_size: int):
 
 
 # W = 1: the DCP1 path, every served top-k; ratio 2 there too.
+@SERVED
 @pytest.mark.world_sizes(1)
 @pytest.mark.stage(STAGE_COMBINE)
 @pytest.mark.parametrize("rho, top_k", [(1, 512), (1, 1024), (1, 2048), (2, 2048)], ids=lambda v: str(v))
@@ -64,6 +68,7 @@ def test_production_dcp1(dcp, rho, top_k):
 
 
 # W = 2 (2 GPUs: TP2xDCP2, and DCP2 of 4 GPUs): every top-k on both prefill paths at TP2xDCP2.
+@SERVED
 @pytest.mark.world_sizes(2)
 @pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
 @pytest.mark.parametrize("top_k", PRODUCTION.top_ks, ids=lambda k: f"K{k}")
@@ -71,6 +76,7 @@ def test_production_dcp2(dcp, top_k, prefill_gather):
     run_production(dcp, layout=SERVED_LAYOUTS[2][0], top_k=top_k, prefill_gather=prefill_gather)
 
 
+@SERVED
 @pytest.mark.world_sizes(2)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
 @pytest.mark.parametrize("layout", layouts(2)[1:])
@@ -78,6 +84,7 @@ def test_production_dcp2_of_tp4(dcp, layout, prefill_gather):
     run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
 
 
+@SERVED
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
 @pytest.mark.parametrize("layout", layouts(4))
@@ -85,6 +92,7 @@ def test_production_dcp4(dcp, layout, prefill_gather):
     run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
 
 
+@SERVED
 @pytest.mark.world_sizes(8)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
 @pytest.mark.parametrize("layout", layouts(8))
