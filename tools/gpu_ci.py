@@ -51,8 +51,17 @@ sys.path.insert(0, str(REPO))
 # that pytest still rewrites that plugin's asserts (and warns of nothing), it is told first.
 pytest.register_assert_rewrite("dcpcheck.plugin")
 from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
+from session_cut import (  # noqa: E402, F401  (the hooks: this module is the sessions' plugin)
+    PROGRESS_ENV,
+    cut_cases,
+    cut_row_key,
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+)
 
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
+from dcpcheck.impls.dsv41.kernels import cross_check  # noqa: E402
+from dcpcheck.impls.dsv41.kernels.selection import installed_version  # noqa: E402
 from dcpcheck.plugin import junit_properties as prop  # noqa: E402
 from dcpcheck.plugin.file_durations import durations_path, handed_out_order, read_durations, table_key  # noqa: E402
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
@@ -249,6 +258,19 @@ class SessionRun:
     wave: int = 0
     code: int | None = None
     seconds: float = 0.0
+    timed_out: bool = False  # stopped by --session-timeout
+
+    @property
+    def progress(self) -> Path:
+        """Where its cases' starts and ends are written (tools/session_cut.py)."""
+        return Path(self.env[PROGRESS_ENV])
+
+
+def _stop(run: SessionRun, proc: subprocess.Popen, timeout: float, lock: threading.Lock) -> None:
+    run.timed_out = True
+    with lock:
+        print(f"=== {run.name}: --session-timeout {timeout:g} s reached: stopping it (SIGINT)", flush=True)
+    proc.send_signal(signal.SIGINT)
 
 
 def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | None) -> None:
@@ -261,7 +283,7 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | N
         proc = subprocess.Popen(
             run.argv, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        timer = threading.Timer(timeout, proc.send_signal, (signal.SIGINT,)) if timeout else None
+        timer = threading.Timer(timeout, _stop, (run, proc, timeout, lock)) if timeout else None
         if timer:
             timer.start()
         for line in proc.stdout:
@@ -511,6 +533,16 @@ def render(
     return "\n".join(lines)
 
 
+def kernel_table(out: Path, runs: list[SessionRun]) -> str:
+    """Which kernel computed dsv41's sparse-MLA calls per session and W, and the real kernel's
+    worst error against the reference kernel over CONTRACT.md §8.1's tolerance."""
+    lines = [line for run in runs for line in cross_check.summary_lines(run.name, out / f"{run.name}.kernels.jsonl")]
+    if not lines:
+        return ""
+    head = "| session | W | kernel | calls | worst real-vs-reference err/tol |\n|---|---:|---|---:|---:|\n"
+    return "\n## Sparse-MLA kernels (dsv41)\n\n" + head + "\n".join(lines) + "\n"
+
+
 def xpass_lines(xpasses: list[tuple[str, str, str]]) -> list[str]:
     """The run's closing lines: one per XPASS, so that none goes unnoticed in a passing run."""
     return [f"{XPASS_NOTE}: {nodeid}" + (f" — {reason}" if reason else "") for _, nodeid, reason in xpasses]
@@ -608,11 +640,34 @@ def plan(
         junit = out / f"{session.name}.xml"
         junit.unlink(missing_ok=True)
         argv_ = session_argv(args, session, paths, junit, gpus=gpus)
-        env = with_plugin_path({**os.environ, SPREAD_ENV: "1", **dict(session.env)})
+        kernel_log = out / f"{session.name}.kernels.jsonl"  # dsv41's sparse-MLA calls: which kernel, vs the reference
+        kernel_log.unlink(missing_ok=True)
+        env = with_plugin_path(
+            {**os.environ, SPREAD_ENV: "1", cross_check.LOG_ENV: str(kernel_log), **dict(session.env)}
+        )
+        env[PROGRESS_ENV] = str(out / f"{session.name}.progress")
+        Path(env[PROGRESS_ENV]).unlink(missing_ok=True)
         runs.append(SessionRun(session.name, argv_, env, wave=0 if args.one_wave else session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
     return runs, junit_files, sessions, left_out
+
+
+def cut_by_timeout(runs: list[SessionRun], junit_files: dict, rows: dict[tuple, Row]) -> dict[str, list[str]]:
+    """Session name -> the cases its --session-timeout cut, for each session
+    it stopped; each cut case counts as failed in a row of its step, stage "cut"."""
+    cut = {}
+    steps_of = dict(zip([run.name for run in runs], junit_files.values()))
+    for run in runs:
+        if not run.timed_out:
+            continue
+        cut[run.name] = cut_cases(run.progress)
+        step_paths = steps_of.get(run.name, {})
+        for nodeid in cut[run.name]:
+            path = nodeid.split("::")[0]
+            step = next((s for s, paths in step_paths.items() if path in paths), next(iter(step_paths), run.name))
+            rows[cut_row_key(step, nodeid)].failed += 1
+    return cut
 
 
 def main(argv=None) -> int:
@@ -634,7 +689,15 @@ def main(argv=None) -> int:
 
     rows, phases, xfails, xpasses = summarize(junit_files)
     order = [step for session in sessions for step in (s.name for s in session.steps)]
-    problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
+    # A session the time-out stopped is named as such below, not by pytest's exit code for a Ctrl-C.
+    broke = [run for run in runs if not run.timed_out and run.code not in (0, PYTEST_NO_TESTS)]
+    problems = [f"session {run.name} exited {run.code}" for run in broke]
+    cut = cut_by_timeout(runs, junit_files, rows)
+    problems += [
+        f"session {name}: stopped by --session-timeout {args.session_timeout:g} s (the KeyboardInterrupt above); "
+        f"cases cut: {', '.join(nodeids) or 'none running'}"
+        for name, nodeids in cut.items()
+    ]
     for session in sessions:
         ran = any(phases[s.name].cases for s in session.steps if s.name in phases)
         problem = missing_breakdown(session, phases, args.device, ran)
@@ -647,7 +710,9 @@ def main(argv=None) -> int:
     )
     if left_out:
         header += f"Not run: {', '.join(s.name for s in NEEDS_VLLM)}: {left_out}\n\n"
-    summary = header + render(rows, phases, runs, order, xfails, xpasses) + "\n"
+    flashmla = installed_version("sgl-flash-mla")
+    header += f"FlashMLA: {f'sgl-flash-mla {flashmla}' if flashmla else 'not installed (tools/carry_flashmla.py)'}\n\n"
+    summary = header + render(rows, phases, runs, order, xfails, xpasses) + kernel_table(out, runs) + "\n"
     (out / "summary.md").write_text(summary)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcpcheck.impls.dsv41.kernels import cross_check, flashmla, reference
-from dcpcheck.impls.dsv41.kernels.corner_cases import EMPTY_ROWS, corner_call
+from dcpcheck.impls.dsv41.kernels.corner_cases import EMPTY_ROWS, corner_call, through_port_wrapper
 from dcpcheck.impls.dsv41.kernels.reference import KernelContractError
 from dcpcheck.impls.dsv41.kernels.selection import (
     FLASHINFER_SM120,
@@ -213,3 +213,20 @@ def test_the_header_says_which_kernel_and_why():
     assert "FlashMLA not installed" in selection_on((9, 0)).describe(torch.device("cpu")) or "sgl-flash-mla" in (
         selection_on((9, 0)).describe(torch.device("cpu"))
     )
+
+
+def test_the_ports_wrapper_computes_with_flashmla_through_flashinfers_checks():
+    """The tree's ``_sm120_sparse_attention_with_lse`` at head dim 512 over the 584-byte record: FlashInfer's
+    entry (its signature and checks) in front, FlashMLA behind it (needs the DCP2 tree on PYTHONPATH)."""
+    from dcpcheck.impls.dsv41.tree.loading import PortSpec, PortSpecError, PortTree
+
+    try:
+        tree = PortTree(PortSpec())
+    except PortSpecError as exc:
+        pytest.skip(f"no DCP2 tree to load: {exc}")
+    fake = FakeFlashMla()
+    tree.flashinfer.selection = selection_on((9, 0), fake)
+    call = corner_call(8, sink=True)
+    through_port_wrapper(tree.module({}), call)
+    (made,) = fake.calls
+    assert made["q"].shape == (6, 1, 64, 512) and tree.flashinfer.selection.last.worst <= 1

@@ -104,3 +104,23 @@ def corner_call(num_heads: int, *, sink: bool, device="cpu", seed: int = 0) -> S
         sinks=(torch.randn(num_heads, generator=gen) + SINK_LEVEL).to(device) if sink else None,
         lse=torch.empty(ROWS, num_heads, dtype=torch.float32, device=device),
     )
+
+
+def through_port_wrapper(module, call: SparseMlaCall) -> None:
+    """The call made by the port's own SM120 wrapper (``_sm120_sparse_attention_with_lse`` of its
+    module as :class:`dcpcheck.impls.dsv41.tree.loading.PortTree` loads it)."""
+    workspace = torch.empty(1, dtype=torch.uint8, device=call.query.device)
+    module._sm120_sparse_attention_with_lse(
+        call.query,
+        call.swa_kv_cache,
+        workspace,
+        call.swa_indices,
+        call.swa_lens,
+        call.compressed_kv_cache,
+        call.extra_indices,
+        call.extra_lens,
+        call.out,
+        call.sm_scale,
+        call.sinks,
+        call.lse,
+    )

@@ -126,11 +126,11 @@ def finding_message(comparison: Comparison, num_rows: int, num_heads: int) -> st
 
 
 def log(entry: dict) -> None:
-    """One JSON line in ``$DCPCHECK_KERNEL_LOG`` (appends of one short line: whole on Linux)."""
+    """One JSON line, with the caller's W, in ``$DCPCHECK_KERNEL_LOG`` (appends of one short line: whole on Linux)."""
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as file:
-            file.write(json.dumps(entry) + "\n")
+            file.write(json.dumps({**entry, "W": world_size()}) + "\n")
 
 
 def world_size() -> int:
@@ -160,7 +160,6 @@ def checked(kernel: str, compute, query, swa_kv_cache, swa_indices, swa_lens, ex
     log(
         {
             "kernel": kernel,
-            "W": world_size(),
             "rows": int(query.shape[0]),
             "heads": int(query.shape[1]),
             "worst": comparison.worst,
@@ -170,3 +169,26 @@ def checked(kernel: str, compute, query, swa_kv_cache, swa_indices, swa_lens, ex
     if comparison.differing:
         raise ReferenceKernelFinding(finding_message(comparison, query.shape[0], query.shape[1]))
     return comparison
+
+
+def summary_lines(name: str, path) -> list[str]:
+    """A session's ``$DCPCHECK_KERNEL_LOG`` as the GPU CI summary's lines: per W, the calls each
+    kernel computed and the worst real-vs-reference error over tolerance; why the reference computed."""
+    calls: dict = {}
+    worst: dict = {}
+    reasons: set = set()
+    for line in open(path).read().splitlines() if os.path.exists(path) else ():
+        entry = json.loads(line)
+        key = (entry["W"], entry["kernel"])
+        calls[key] = calls.get(key, 0) + 1
+        if "worst" in entry:
+            worst[key] = max(worst.get(key, 0.0), entry["worst"])
+        if "why" in entry:
+            reasons.add(entry["why"])
+    lines = [
+        f"| {name} | {w} | {kernel} | {count} | "
+        + (f"{worst[(w, kernel)]:.3g}" if (w, kernel) in worst else "-")
+        + " |"
+        for (w, kernel), count in sorted(calls.items())
+    ]
+    return lines + [f"| {name} | | reference because | {why} | |" for why in sorted(reasons)]

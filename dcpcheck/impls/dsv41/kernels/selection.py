@@ -66,6 +66,7 @@ class KernelSelection:
     load_flash_mla: Callable = _import_flash_mla
     load_sm120_entry: Callable = _import_sm120_entry
     _loaded: dict = field(default_factory=dict)  # name -> (module or entry, None) or (None, why not)
+    last: cross_check.Comparison | None = None  # the last call's comparison (None: the reference computed it)
 
     def _load(self, name: str, loader: Callable):
         if name not in self._loaded:
@@ -114,12 +115,16 @@ class KernelSelection:
         args = (query, swa_kv_cache, swa_indices, swa_lens, compressed_kv_cache, extra_indices, extra_lens, out,
                 sm_scale, sinks, lse)  # fmt: skip
         kernel, real, why = self.choose(query, swa_kv_cache, compressed_kv_cache, entry_call)
+        self.last = None
         if kernel == REFERENCE:
             reference.sparse_attention_with_lse(*args)
+            cross_check.log({"kernel": kernel, "why": why})
         elif kernel == FLASHMLA:
-            cross_check.checked(kernel, lambda *a: flashmla.sparse_attention_with_lse(real, *a), *args)
+            self.last = cross_check.checked(kernel, lambda *a: flashmla.sparse_attention_with_lse(real, *a), *args)
         else:
-            cross_check.checked(kernel, lambda *a: sm120_entry_computes(real, entry_call, a[7], a[10]), *args)
+            self.last = cross_check.checked(
+                kernel, lambda *a: sm120_entry_computes(real, entry_call, a[7], a[10]), *args
+            )
         return kernel
 
     def describe(self, device: torch.device | None = None) -> str:
