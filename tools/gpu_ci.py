@@ -51,6 +51,13 @@ sys.path.insert(0, str(REPO))
 # that pytest still rewrites that plugin's asserts (and warns of nothing), it is told first.
 pytest.register_assert_rewrite("dcpcheck.plugin")
 from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
+from session_cut import (  # noqa: E402, F401  (the hooks: this module is the sessions' plugin)
+    PROGRESS_ENV,
+    cut_cases,
+    cut_row_key,
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+)
 
 # Imported once this checkout is on the path: a GPU host has dcpcheck as a checkout, not installed.
 from dcpcheck.impls.dsv41.kernels import cross_check  # noqa: E402
@@ -251,6 +258,19 @@ class SessionRun:
     wave: int = 0
     code: int | None = None
     seconds: float = 0.0
+    timed_out: bool = False  # stopped by --session-timeout
+
+    @property
+    def progress(self) -> Path:
+        """Where its cases' starts and ends are written (tools/session_cut.py)."""
+        return Path(self.env[PROGRESS_ENV])
+
+
+def _stop(run: SessionRun, proc: subprocess.Popen, timeout: float, lock: threading.Lock) -> None:
+    run.timed_out = True
+    with lock:
+        print(f"=== {run.name}: --session-timeout {timeout:g} s reached: stopping it (SIGINT)", flush=True)
+    proc.send_signal(signal.SIGINT)
 
 
 def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | None) -> None:
@@ -263,7 +283,7 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | N
         proc = subprocess.Popen(
             run.argv, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        timer = threading.Timer(timeout, proc.send_signal, (signal.SIGINT,)) if timeout else None
+        timer = threading.Timer(timeout, _stop, (run, proc, timeout, lock)) if timeout else None
         if timer:
             timer.start()
         for line in proc.stdout:
@@ -625,10 +645,29 @@ def plan(
         env = with_plugin_path(
             {**os.environ, SPREAD_ENV: "1", cross_check.LOG_ENV: str(kernel_log), **dict(session.env)}
         )
+        env[PROGRESS_ENV] = str(out / f"{session.name}.progress")
+        Path(env[PROGRESS_ENV]).unlink(missing_ok=True)
         runs.append(SessionRun(session.name, argv_, env, wave=0 if args.one_wave else session.wave))
         junit_files[junit] = step_paths
         sessions.append(session)
     return runs, junit_files, sessions, left_out
+
+
+def cut_by_timeout(runs: list[SessionRun], junit_files: dict, rows: dict[tuple, Row]) -> dict[str, list[str]]:
+    """Session name -> the cases its --session-timeout cut, for each session
+    it stopped; each cut case counts as failed in a row of its step, stage "cut"."""
+    cut = {}
+    steps_of = dict(zip([run.name for run in runs], junit_files.values()))
+    for run in runs:
+        if not run.timed_out:
+            continue
+        cut[run.name] = cut_cases(run.progress)
+        step_paths = steps_of.get(run.name, {})
+        for nodeid in cut[run.name]:
+            path = nodeid.split("::")[0]
+            step = next((s for s, paths in step_paths.items() if path in paths), next(iter(step_paths), run.name))
+            rows[cut_row_key(step, nodeid)].failed += 1
+    return cut
 
 
 def main(argv=None) -> int:
@@ -650,7 +689,15 @@ def main(argv=None) -> int:
 
     rows, phases, xfails, xpasses = summarize(junit_files)
     order = [step for session in sessions for step in (s.name for s in session.steps)]
-    problems = [f"session {run.name} exited {run.code}" for run in runs if run.code not in (0, PYTEST_NO_TESTS)]
+    # A session the time-out stopped is named as such below, not by pytest's exit code for a Ctrl-C.
+    broke = [run for run in runs if not run.timed_out and run.code not in (0, PYTEST_NO_TESTS)]
+    problems = [f"session {run.name} exited {run.code}" for run in broke]
+    cut = cut_by_timeout(runs, junit_files, rows)
+    problems += [
+        f"session {name}: stopped by --session-timeout {args.session_timeout:g} s (the KeyboardInterrupt above); "
+        f"cases cut: {', '.join(nodeids) or 'none running'}"
+        for name, nodeids in cut.items()
+    ]
     for session in sessions:
         ran = any(phases[s.name].cases for s in session.steps if s.name in phases)
         problem = missing_breakdown(session, phases, args.device, ran)
