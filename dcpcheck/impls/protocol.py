@@ -54,6 +54,8 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "garbage_under_sentinel": "rows where every rank's partial is empty (LSE at the -1e30 sentinel) "
     "with NaN or random outputs under it",
     "tree_combine_context": "the combine launch context the port keeps per layer, launched twice on this host",
+    "tree_backend_agreement": "two DCP ranks launched with different DSV41_DCP_COMBINE / DSV41_DCP_PREFILL_GATHER, "
+    "the collectives of one step of each compared",
     "port_heads": "the combine at a DCP2 port's own head count (H = 8 x W, bf16, base 2), run through the "
     "port's fused step where it has one",
     "lse_near_150": "partial LSEs of magnitude about 150, where fp32 values are 1.5e-5 apart",
@@ -72,6 +74,7 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "stage3_prefill_trace": "a serving trace whose prefill rows go through the stage-3 combine in token "
     "sub-chunks, every row of every compressed layer",
     "tree_kernel_call": "the port's call of the attention kernel, against the installed kernel library's signature",
+    "tree_kernel_envelope": "the served model's shapes at start-up, against the attention kernel's specialisations",
     "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
     "its own top-k into the one model-wide top-k buffer in the same step",
     "v40_ratios": "layers of DeepSeek-V4.0's compress ratios 4 (C4A) and 128 (C128A), which DeepSeek-V4.1 "

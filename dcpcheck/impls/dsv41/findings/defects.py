@@ -10,9 +10,11 @@ import re
 from dcpcheck.impls.dsv41.findings.cures import COMBINE_CONTEXT_PER_CALL, READ_UNIT_IN_STATES, REMAP_PER_INDEX_SOURCE
 from dcpcheck.impls.dsv41.probes.kernel_call import LSE_SCALE_MISSING
 from dcpcheck.impls.dsv41.probes.serving import (
+    BACKEND_AGREEMENT,
     COMBINE_CONTEXT,
     COMPRESSED_WRITER,
     FLASHINFER_KERNEL_CALL,
+    KERNEL_ENVELOPE,
     READ_UNIT,
     SWA_CACHE_PLACEMENT,
 )
@@ -41,7 +43,9 @@ INTERLEAVE_UNIT = (
 WRITE_SIDE_MISSING = "docs/dsv41.md, finding 4"
 SWA_PLACEMENT = "docs/dsv41.md, finding 5"
 KERNEL_CALL = "docs/dsv41.md, finding 6"
+SHAPE_ENVELOPE = "docs/dsv41.md, 'The SM120 kernel's shape envelope at start-up'; probed"
 COMBINE_CONTEXT_REUSED = "docs/dsv41.md, finding 7; probed"
+BACKENDS_PER_RANK = "docs/dsv41.md, finding 8; probed"
 STALE_INDEX_CACHE = (
     "seed DCP2 port: _dcp_prefill_gather caches the remapped top-k per step under "
     "'ikey = (topk_indices.data_ptr(), tuple(topk_indices.shape))', but every layer reads its top-k from the one "
@@ -96,8 +100,12 @@ def port_defect(terms, findings) -> KnownFailure | None:
     if "tree_kernel_call" in terms.properties and findings.kernel_call:
         shows = re.escape(SHOWS_PROBE.format(probe=FLASHINFER_KERNEL_CALL)) + ".*" + re.escape(LSE_SCALE_MISSING)
         defects.append(KnownFailure(f"{findings.kernel_call}; {KERNEL_CALL}", shows))
+    if "tree_kernel_envelope" in terms.properties and findings.kernel_envelope:
+        defects.append(_probed(KERNEL_ENVELOPE, findings.kernel_envelope, SHAPE_ENVELOPE))
     if "tree_combine_context" in terms.properties and findings.combine_context:
         defects.append(_probed(COMBINE_CONTEXT, findings.combine_context, COMBINE_CONTEXT_REUSED))
+    if "tree_backend_agreement" in terms.properties and findings.backend_agreement:
+        defects.append(_probed(BACKEND_AGREEMENT, findings.backend_agreement, BACKENDS_PER_RANK))
     if "tree_read_unit" in terms.properties and findings.read_unit:
         defects.append(
             KnownFailure(f"{INTERLEAVE_UNIT}: {findings.read_unit}", re.escape(SHOWS_PROBE.format(probe=READ_UNIT)))

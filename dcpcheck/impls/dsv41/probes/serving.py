@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 
+from dcpcheck.impls.dsv41.probes.backend_agreement import backend_agreement_finding
 from dcpcheck.impls.dsv41.probes.combine_context import combine_context_finding
 from dcpcheck.impls.dsv41.probes.common import probe_device
 from dcpcheck.impls.dsv41.probes.gather_cost import GEOMETRY_STACK, gather_geometry_reads
 from dcpcheck.impls.dsv41.probes.head_counts import head_count_finding
 from dcpcheck.impls.dsv41.probes.kernel_call import kernel_call_finding
+from dcpcheck.impls.dsv41.probes.kernel_envelope import kernel_envelope_answer
 from dcpcheck.impls.dsv41.probes.reader import reader_finding
 from dcpcheck.impls.dsv41.probes.refusal import refusal_finding
 from dcpcheck.impls.dsv41.probes.swa import swa_finding
@@ -34,6 +36,8 @@ FLASHINFER_KERNEL_CALL = "FlashInfer kernel call"
 DCP_REFUSAL = "indexer's DCP refusal"
 HEAD_COUNTS = "DCP head counts"
 COMBINE_CONTEXT = "combine launch context"
+KERNEL_ENVELOPE = "SM120 kernel envelope"
+BACKEND_AGREEMENT = "per-rank backend agreement"
 
 
 class ServingFindings:
@@ -59,6 +63,20 @@ class ServingFindings:
         return kernel_call_finding(self._tree, probe_device())
 
     @functools.cached_property
+    def _kernel_envelope(self) -> tuple[str | None, str]:
+        return kernel_envelope_answer(self._tree)
+
+    @property
+    def kernel_envelope(self) -> str | None:
+        """A served shape the SM120 kernel has no specialisation for, named; None if it has one for each."""
+        return self._kernel_envelope[0]
+
+    @property
+    def kernel_envelope_summary(self) -> str:
+        """The run header's answer of the envelope probe."""
+        return self._kernel_envelope[1]
+
+    @functools.cached_property
     def gather_geometry_cost(self) -> str:
         """What the prefill gather's geometry costs across KV groups (a measured cost, never a failure)."""
         if not callable(getattr(self._build_layer(0, 1), "_dcp_prefill_gather", None)):
@@ -82,6 +100,10 @@ class ServingFindings:
         return combine_context_finding(self._build_layer)
 
     @functools.cached_property
+    def backend_agreement(self) -> str | None:
+        return backend_agreement_finding(self._tree)
+
+    @functools.cached_property
     def dcp_refusal(self) -> str | None:
         return refusal_finding(self._tree)
 
@@ -90,8 +112,10 @@ class ServingFindings:
             DCP_REFUSAL: self.dcp_refusal,
             HEAD_COUNTS: self.head_counts,
             COMBINE_CONTEXT: self.combine_context,
+            BACKEND_AGREEMENT: self.backend_agreement,
             COMPRESSED_WRITER: self.compressed_writer,
             READ_UNIT: self.read_unit,
             SWA_CACHE_PLACEMENT: self.swa_placement,
             FLASHINFER_KERNEL_CALL: self.kernel_call,
+            KERNEL_ENVELOPE: self.kernel_envelope,
         }
