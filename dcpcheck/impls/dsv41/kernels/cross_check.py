@@ -27,6 +27,7 @@ FP32_UNIT = 2.0**-24
 EXP2_APPROX = 2.0**-22  # ex2.approx.f32's relative error
 MARGIN = 4.0  # over the derived bound: the bound sums worst cases, the margin covers the terms it leaves out
 SHOWN = 8  # differing (row, head) pairs named in a finding
+ROW_BLOCK = 256  # rows compared at a time: the candidates read are [rows, N, 512] fp32
 
 
 class ReferenceKernelFinding(AssertionError):
@@ -140,6 +141,20 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _read(block, head_dim, swa_kv_cache, swa_indices, swa_lens, extra_kv_cache, extra_indices, extra_lens):
+    """-> (rows [T', N, D], valid [T', N]) the reference kernel reads for the rows of ``block``."""
+    rows, valid = reference._candidate_rows(
+        swa_kv_cache, swa_indices[block], None if swa_lens is None else swa_lens[block], "swa indices", head_dim
+    )
+    if extra_indices is not None:
+        extra_rows, extra_valid = reference._candidate_rows(
+            extra_kv_cache, extra_indices[block], None if extra_lens is None else extra_lens[block],
+            "compressed indices", head_dim,
+        )  # fmt: skip
+        rows, valid = torch.cat([rows, extra_rows], 1), torch.cat([valid, extra_valid], 1)
+    return rows, valid
+
+
 def checked(kernel: str, compute, query, swa_kv_cache, swa_indices, swa_lens, extra_kv_cache, extra_indices,
             extra_lens, out, sm_scale, sinks, lse) -> Comparison:  # fmt: skip
     """``compute`` writes ``out``/``lse``; the reference computes the same call into its own
@@ -149,14 +164,18 @@ def checked(kernel: str, compute, query, swa_kv_cache, swa_indices, swa_lens, ex
     ref_out, ref_lse = torch.empty_like(out), torch.empty_like(lse)
     reference.sparse_attention_with_lse(query, swa_kv_cache, swa_indices, swa_lens, extra_kv_cache, extra_indices,
                                         extra_lens, ref_out, sm_scale, sinks, ref_lse)  # fmt: skip
-    head_dim = query.shape[-1]
-    rows, valid = reference._candidate_rows(swa_kv_cache, swa_indices, swa_lens, "swa indices", head_dim)
-    if extra_indices is not None:
-        extra_rows, extra_valid = reference._candidate_rows(
-            extra_kv_cache, extra_indices, extra_lens, "compressed indices", head_dim
-        )
-        rows, valid = torch.cat([rows, extra_rows], 1), torch.cat([valid, extra_valid], 1)
-    comparison = compare(kernel, query, sm_scale, sinks, rows, valid, out, lse, ref_out, ref_lse)
+    parts = [
+        compare(kernel, query[block], sm_scale, sinks, *_read(block, query.shape[-1], swa_kv_cache, swa_indices,
+                swa_lens, extra_kv_cache, extra_indices, extra_lens), out[block], lse[block], ref_out[block],
+                ref_lse[block])
+        for block in (slice(start, start + ROW_BLOCK) for start in range(0, query.shape[0], ROW_BLOCK))
+    ]  # fmt: skip
+    comparison = Comparison(
+        kernel,
+        max((part.worst_out for part in parts), default=0.0),
+        max((part.worst_lse for part in parts), default=0.0),
+        tuple((row + index * ROW_BLOCK, *rest) for index, part in enumerate(parts) for row, *rest in part.differing),
+    )
     log(
         {
             "kernel": kernel,
