@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dcpcheck.port.triton_env import INTERPRETED
-from tests.selftest.test_interpreter_patching import installed_where_patched
+from tests.selftest.interpreter_installation import installed_where_patched
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs this process to run the kernels under the interpreter")
 
