@@ -35,6 +35,7 @@ from dcpcheck.ranks.messages import (
     Stop,
     ZygoteHello,
 )
+from dcpcheck.ranks.native_stacks import native_stack
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.procstate import describe_exit, describe_process, process_state_letter
 from dcpcheck.ranks.rankfn import MAX_ERROR_CHARS, bounded
@@ -451,6 +452,9 @@ class RankPool:
             stacks[rank] = (
                 bounded(text) if text else "(no stack: the process " + describe_process(self.pids[rank]) + ")"
             )
+            native = native_stack(self.pids[rank])
+            if native is not None:
+                stacks[rank] += f"\n--- rank {rank} native stack (py-spy dump --native) ---\n{bounded(native)}"
         return dict(sorted(stacks.items()))
 
     def _wait_for_stacks(self, offsets: dict) -> None:
