@@ -13,11 +13,23 @@ from dcpcheck.impls.dsv41.tree.loading import PortTree
 # (W, local heads, why the port must refuse it under DCP, or None: a count it serves).
 # The kernel sees the W ranks' local heads gathered [rank 0 | rank 1 | ...] and
 # the combine's reduce-scatter hands each rank back its slice of that order.
+# Each refusal must come when the layer is built (start-up), not at the first
+# decode (SGLang #34355 / #39330 asserted head divisibility there, and GQA layouts
+# corrupted silently). vLLM refuses a head count TP does not divide at start-up
+# (config/model.py ModelConfig.verify_with_parallel_config, and the tree's
+# DeepseekV4Attention.__init__ asserts it); its GQA bound on DCP (TP over the KV
+# heads, same function) is skipped for MLA: DSV4.1 has one latent KV head, copied
+# to every rank, so the gathered query heads are the only layout to refuse.
 HEAD_COUNT_CASES = (
     (2, 8, None),
+    (2, 64, None),  # DSV4.1's 128 heads at TP 2 and DCP 2
+    (8, 16, None),  # DSV4.1's 128 heads at TP 8 and DCP 8
     (2, 4, "padded to 8 heads, so the gathered heads interleave padding with the ranks' heads"),
+    (2, 12, "padded to 16 heads: the gathered heads interleave padding with the ranks' heads"),
+    (4, 6, "padded to 8 heads, 24 gathered: padding between the ranks' heads, and a count no kernel takes"),
     (3, 8, "24 gathered heads, a count no sparse-MLA kernel takes"),
     (4, 64, "256 gathered heads, more than any sparse-MLA kernel takes (DSV4.1's 128 heads at TP 2 and DCP 4)"),
+    (8, 32, "256 gathered heads at W 8, more than any sparse-MLA kernel takes"),
 )
 
 
@@ -49,7 +61,7 @@ def head_count_finding(tree: PortTree) -> str | None:
     for world_size, local_heads, why_refused in HEAD_COUNT_CASES:
         try:
             _head_count_layer(tree, world_size, local_heads)
-        except (NotImplementedError, ValueError) as exc:
+        except (NotImplementedError, ValueError, RuntimeError) as exc:  # RuntimeError: the SM120 config check
             if why_refused is None:
                 problems.append(f"refuses W={world_size} with {local_heads} local heads, a served count: {exc}")
             continue
