@@ -40,6 +40,10 @@ DSV41_CASES = [
     pytest.param(32, 64, 131, 2, 0, 50, id="I64-S32-bs64-K131-rho2-T72", marks=DSV41_RATIO2),
     pytest.param(64, 64, 45, 2, 1, 4, id="I128-S64-bs64-K45-rho2", marks=DSV41_RATIO2),
     pytest.param(2, 128, 37, 1, 1, 50, id="I2-S2-bs128-K37-rho1-T72"),
+    # vllm#56715 (interleave 64 under DCP4: token 1 read the key of token 64), at ratio 1, where an interleave
+    # of 64 or 128 tokens is half a page and a whole page of states a rank in turn.
+    pytest.param(64, 128, 200, 1, 0, 4, id="I64-S64-bs128-K200-rho1"),
+    pytest.param(128, 128, 131, 1, 1, 4, id="I128-S128-bs128-K131-rho1"),
 ]
 # The top-k widths vLLM serves DSV4.1 at under DCP (its DCP top-k merge takes
 # index_topk 512, 1024 or 2048: model_executor/layers/sparse_attn_indexer.py,

@@ -167,6 +167,10 @@ DSV41_CASES = [
     pytest.param(2, 1, 64, 130, id="I2-S1-bs64-K130-rho2", marks=DSV41_RATIO2),
     pytest.param(1, 2, 128, 37, id="I2-S2-bs128-K37-rho1"),
     pytest.param(1, 64, 128, 200, id="I64-S64-bs128-K200-rho1"),
+    # vllm#56715's wide interleaves: 64 tokens at ratio 2 (half a page), 128 (the page) at ratios 1 and 2.
+    pytest.param(2, 32, 64, 130, id="I64-S32-bs64-K130-rho2", marks=DSV41_RATIO2),
+    pytest.param(1, 128, 128, 200, id="I128-S128-bs128-K200-rho1"),
+    pytest.param(2, 64, 64, 130, id="I128-S64-bs64-K130-rho2", marks=DSV41_RATIO2),
 ]
 
 

@@ -99,6 +99,7 @@ def check_gathered_prefill(ctx, *, rho, S, bs, K, dtype_name, backend, num_heads
         # DeepSeek-V4.1's ratios on vLLM's 128-token page, interleaves of 2 and 64 tokens.
         pytest.param(1, 2, 128, 37, "bf16", "a2a", id="I2-S2-bs128-K37-rho1-bf16"),
         pytest.param(1, 64, 128, 200, "fp32", "a2a", id="I64-S64-bs128-K200-rho1-fp32"),
+        pytest.param(1, 128, 128, 200, "fp32", "a2a", id="I128-S128-bs128-K200-rho1-fp32"),  # vllm#56715: the page
         pytest.param(2, 1, 64, 130, "bf16", "a2a", id="I2-S1-bs64-K130-rho2-bf16", marks=DSV41_RATIO2),
     ],
 )
