@@ -51,3 +51,11 @@ def run_dsv41(tree: Path, node: str, world_size: int) -> subprocess.CompletedPro
     command += ["--dcp-timeout", "900", "--world-sizes", str(world_size), node]
     env = inner_env(PYTHONPATH=f"{tree}:{ROOT}", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def run_dsv41_nodes(tree: Path, nodes: list[str], world_sizes: str) -> subprocess.CompletedProcess:
+    """Suite tests (``nodes``) on ``tree``'s port at ``world_sizes`` ("1,2"), in one session of their own, CPU only."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rf", "--dcp-impl", "dsv41"]
+    command += ["--dcp-timeout", "900", "--world-sizes", world_sizes, *nodes]
+    env = inner_env(PYTHONPATH=f"{tree}:{ROOT}", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
