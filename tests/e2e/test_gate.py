@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.serving_trace import check_serving_trace
 from dcpcheck.compare import MismatchError
 from dcpcheck.scenarios.layers import LayerLayout
 from dcpcheck.spies import environment, spy_on_collectives
 from dcpcheck.stages import STAGE_COMBINE, STAGE_ENV
-from tests.e2e.test_serving_trace import DSV41_TOPOLOGY, check_serving_trace
+from tests.e2e.common import DSV41_TOPOLOGY
 
 pytestmark = [pytest.mark.stage(STAGE_COMBINE), pytest.mark.needs("build_attention")]
 

@@ -16,16 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpcheck.checks.serving_trace import HEAD_DIM, check_serving_trace
 from dcpcheck.compare import coarser_dtype
 from dcpcheck.impls.conventions import conventions_of
 from dcpcheck.stages import STAGE_COMBINE
-from tests.e2e.test_serving_trace import (
-    DSV41_RATIO1_TOPOLOGY,
-    DSV41_REQUESTS,
-    DSV41_TOKEN_BUDGET,
-    HEAD_DIM,
-    check_serving_trace,
-)
+from tests.e2e.common import DSV41_RATIO1_TOPOLOGY, DSV41_REQUESTS, DSV41_TOKEN_BUDGET
 
 pytestmark = pytest.mark.needs("build_attention")
 COMMON_COMPONENT = 24.0  # q·k gains 576: a logit of 72 at scale HEAD_DIM**-0.5 = 1/8, a base-2 LSE near 104

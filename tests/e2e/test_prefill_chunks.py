@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
+from dcpcheck.checks.serving_trace import check_serving_trace
 from dcpcheck.scenarios.trace import RequestSpec
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
-from tests.e2e.test_serving_trace import DSV41_RATIO1_TOPOLOGY, check_serving_trace
+from tests.e2e.common import DSV41_RATIO1_TOPOLOGY
 
 pytestmark = pytest.mark.needs("build_attention")
 PREFILL_CHUNK_SIZE = 4  # vLLM 0.33.0's, for implementations that declare none
