@@ -12,7 +12,7 @@
 # FlashInfer release vLLM pins (flashinfer-python==0.7.2.post1 for 0.33.0) is
 # unpacked beside vLLM, for --dcp-impl dsv41 to read, never import
 # (dcpcheck/impls/dsv41/kernels/flashinfer_sources.py): the wheel is downloaded with
-# --no-deps and only flashinfer/mla/_core.py leaves it. Idempotent: a venv
+# --no-deps and only the files of FLASHINFER_SOURCES leave it. Idempotent: a venv
 # that already passes the check is left as it is.
 set -euo pipefail
 
@@ -60,8 +60,11 @@ if ! installed_triton=$("$PY" -c 'import importlib.metadata as m; print(m.versio
   exit 2
 fi
 
-# The FlashInfer sources --dcp-impl dsv41 reads: FlashInfer's mla/_core.py of
-# vLLM's pin, under SITE/dcpcheck-flashinfer-sources/flashinfer-python-VERSION/.
+# The FlashInfer sources --dcp-impl dsv41 reads, of vLLM's pin, under
+# SITE/dcpcheck-flashinfer-sources/flashinfer-python-VERSION/: the SM120 entry
+# (mla/_core.py) and the SM120 kernel's configuration query (its static decode
+# envelope, _policy.py, and the config class of supported_sparse_mla_sm120_configs, _api.py).
+FLASHINFER_SOURCES="flashinfer/mla/_core.py flashinfer/mla/_sparse_mla_sm120/_policy.py flashinfer/mla/_sparse_mla_sm120/_api.py"
 install_flashinfer_sources() {
   local pin site dest wheels
   pin=$("$PY" -c 'from dcpcheck.impls.dsv41.kernels.flashinfer_sources import pinned_version; print(pinned_version())') || {
@@ -70,14 +73,19 @@ install_flashinfer_sources() {
   }
   site=$("$PY" -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
   dest="$site/dcpcheck-flashinfer-sources/flashinfer-python-$pin"
-  if [ -f "$dest/flashinfer/mla/_core.py" ]; then
+  local file missing=""
+  for file in $FLASHINFER_SOURCES; do
+    [ -f "$dest/$file" ] || missing=1
+  done
+  if [ -z "$missing" ]; then
     echo "flashinfer-python $pin sources already in $dest"
     return
   fi
   wheels=$(mktemp -d)
   "$VENV/bin/pip" download --quiet --no-deps --only-binary :all: "flashinfer-python==$pin" -d "$wheels"
-  "$PY" -c 'import sys, zipfile, glob; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extract("flashinfer/mla/_core.py", sys.argv[2])' \
-    "$wheels" "$dest"
+  # shellcheck disable=SC2086  # one argument per file
+  "$PY" -c 'import sys, zipfile, glob; wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]); [wheel.extract(name, sys.argv[2]) for name in sys.argv[3:]]' \
+    "$wheels" "$dest" $FLASHINFER_SOURCES
   rm -rf "$wheels"
   echo "flashinfer-python $pin sources (read, never imported) in $dest"
 }

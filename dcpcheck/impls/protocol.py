@@ -74,6 +74,7 @@ SCENARIO_PROPERTIES: dict[str, str] = {
     "stage3_prefill_trace": "a serving trace whose prefill rows go through the stage-3 combine in token "
     "sub-chunks, every row of every compressed layer",
     "tree_kernel_call": "the port's call of the attention kernel, against the installed kernel library's signature",
+    "tree_kernel_envelope": "the served model's shapes at start-up, against the attention kernel's specialisations",
     "adjacent_index_sources": "two index sources of one KV group (one step metadata object), each publishing "
     "its own top-k into the one model-wide top-k buffer in the same step",
     "v40_ratios": "layers of DeepSeek-V4.0's compress ratios 4 (C4A) and 128 (C128A), which DeepSeek-V4.1 "

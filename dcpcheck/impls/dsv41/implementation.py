@@ -144,6 +144,7 @@ class Dsv41Implementation:
                 f"compressed write side: {writer}",
                 f"SWA cache: {swa}",
                 f"prefill gather geometry: {self.findings.gather_geometry_cost}",
+                f"SM120 kernel envelope of the served shapes: {self.findings.kernel_envelope_summary}",
                 *self.vllm.stand_ins,
             )
         )

@@ -14,6 +14,7 @@ from dcpcheck.impls.dsv41.probes.serving import (
     COMBINE_CONTEXT,
     COMPRESSED_WRITER,
     FLASHINFER_KERNEL_CALL,
+    KERNEL_ENVELOPE,
     READ_UNIT,
     SWA_CACHE_PLACEMENT,
 )
@@ -42,6 +43,7 @@ INTERLEAVE_UNIT = (
 WRITE_SIDE_MISSING = "docs/dsv41.md, finding 4"
 SWA_PLACEMENT = "docs/dsv41.md, finding 5"
 KERNEL_CALL = "docs/dsv41.md, finding 6"
+SHAPE_ENVELOPE = "docs/dsv41.md, 'The SM120 kernel's shape envelope at start-up'; probed"
 COMBINE_CONTEXT_REUSED = "docs/dsv41.md, finding 7; probed"
 BACKENDS_PER_RANK = "docs/dsv41.md, finding 8; probed"
 STALE_INDEX_CACHE = (
@@ -98,6 +100,8 @@ def port_defect(terms, findings) -> KnownFailure | None:
     if "tree_kernel_call" in terms.properties and findings.kernel_call:
         shows = re.escape(SHOWS_PROBE.format(probe=FLASHINFER_KERNEL_CALL)) + ".*" + re.escape(LSE_SCALE_MISSING)
         defects.append(KnownFailure(f"{findings.kernel_call}; {KERNEL_CALL}", shows))
+    if "tree_kernel_envelope" in terms.properties and findings.kernel_envelope:
+        defects.append(_probed(KERNEL_ENVELOPE, findings.kernel_envelope, SHAPE_ENVELOPE))
     if "tree_combine_context" in terms.properties and findings.combine_context:
         defects.append(_probed(COMBINE_CONTEXT, findings.combine_context, COMBINE_CONTEXT_REUSED))
     if "tree_backend_agreement" in terms.properties and findings.backend_agreement:

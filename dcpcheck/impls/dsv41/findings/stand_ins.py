@@ -150,7 +150,8 @@ MANIFEST = (
     StandIn(
         "the SM120 config check",
         "utils/flashinfer.py has_flashinfer_sparse_mla_sm120_config",
-        "h_q in (8, 16, 32, 64, 128), top-k not asked",
+        "FlashInfer's answer: (num_q_heads, top_k) in _DECODE_DSV4_DISPATCH, executed from the pinned release's "
+        "_sparse_mla_sm120/_policy.py (the real check imports FlashInfer, which loads its CUDA packages)",
     ),
 )
 

@@ -20,6 +20,8 @@ from pathlib import Path
 DISTRIBUTION = "flashinfer-python"
 SOURCES_FOLDER = "dcpcheck-flashinfer-sources"  # not a module name: nothing imports it
 CORE = "flashinfer/mla/_core.py"  # the SM120 entry and what it checks its arguments with
+SPARSE_MLA_POLICY = "flashinfer/mla/_sparse_mla_sm120/_policy.py"  # the SM120 kernel's static decode envelope
+SPARSE_MLA_API = "flashinfer/mla/_sparse_mla_sm120/_api.py"  # its configuration query's config class
 INSTALL_HINT = "run tools/install_vllm_cpu.sh with this venv (it unpacks them; nothing of FlashInfer is imported)"
 
 
@@ -35,6 +37,14 @@ class FlashInferSources:
     @property
     def core(self) -> Path:
         return self.root / CORE
+
+    @property
+    def sparse_mla_policy(self) -> Path:
+        return self.root / SPARSE_MLA_POLICY
+
+    @property
+    def sparse_mla_api(self) -> Path:
+        return self.root / SPARSE_MLA_API
 
 
 def pinned_version() -> str:

@@ -20,6 +20,7 @@ from dcpcheck.impls.dsv41.probes.common import probe_device
 from dcpcheck.impls.dsv41.probes.gather_cost import GEOMETRY_STACK, gather_geometry_reads
 from dcpcheck.impls.dsv41.probes.head_counts import head_count_finding
 from dcpcheck.impls.dsv41.probes.kernel_call import kernel_call_finding
+from dcpcheck.impls.dsv41.probes.kernel_envelope import kernel_envelope_answer
 from dcpcheck.impls.dsv41.probes.reader import reader_finding
 from dcpcheck.impls.dsv41.probes.refusal import refusal_finding
 from dcpcheck.impls.dsv41.probes.swa import swa_finding
@@ -35,6 +36,7 @@ FLASHINFER_KERNEL_CALL = "FlashInfer kernel call"
 DCP_REFUSAL = "indexer's DCP refusal"
 HEAD_COUNTS = "DCP head counts"
 COMBINE_CONTEXT = "combine launch context"
+KERNEL_ENVELOPE = "SM120 kernel envelope"
 BACKEND_AGREEMENT = "per-rank backend agreement"
 
 
@@ -59,6 +61,20 @@ class ServingFindings:
     @functools.cached_property
     def kernel_call(self) -> str | None:
         return kernel_call_finding(self._tree, probe_device())
+
+    @functools.cached_property
+    def _kernel_envelope(self) -> tuple[str | None, str]:
+        return kernel_envelope_answer(self._tree)
+
+    @property
+    def kernel_envelope(self) -> str | None:
+        """A served shape the SM120 kernel has no specialisation for, named; None if it has one for each."""
+        return self._kernel_envelope[0]
+
+    @property
+    def kernel_envelope_summary(self) -> str:
+        """The run header's answer of the envelope probe."""
+        return self._kernel_envelope[1]
 
     @functools.cached_property
     def gather_geometry_cost(self) -> str:
@@ -101,4 +117,5 @@ class ServingFindings:
             READ_UNIT: self.read_unit,
             SWA_CACHE_PLACEMENT: self.swa_placement,
             FLASHINFER_KERNEL_CALL: self.kernel_call,
+            KERNEL_ENVELOPE: self.kernel_envelope,
         }

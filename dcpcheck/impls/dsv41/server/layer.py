@@ -48,7 +48,7 @@ import types
 
 import torch
 
-from dcpcheck.impls.dsv41.kernels import reference as reference_kernel
+from dcpcheck.impls.dsv41.kernels.kernel_envelope import envelope_of
 from dcpcheck.impls.dsv41.server.coordinator import layer_group
 from dcpcheck.impls.dsv41.server.kv_cache_format import FP8_DS_MLA
 from dcpcheck.impls.dsv41.tree.loading import BUILDER_CLASS, PortSpecError, PortTree, patched
@@ -323,7 +323,8 @@ def build_port_layer(
     }
     import vllm.utils.flashinfer as flashinfer_utils
 
-    config_check = {"has_flashinfer_sparse_mla_sm120_config": reference_kernel.has_sm120_config}
+    # vLLM's init check answered by the pinned FlashInfer's dispatch envelope, executed from its source.
+    config_check = {"has_flashinfer_sparse_mla_sm120_config": envelope_of(tree.flashinfer.sources).vllm_admits}
     with (
         patched(base, __init__=weightless_init),
         patched(module, **{k: v for k, v in replacements.items() if hasattr(module, k)}),
