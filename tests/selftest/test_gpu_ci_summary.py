@@ -58,6 +58,13 @@ def test_an_xpass_has_its_column_beside_the_xfails(junit):
     assert table[2].startswith("| stage1 | harness | - | - | - | 3 | 1 | 0 | 1 | 1 | 0 |")
 
 
+def test_a_per_world_step_gets_its_seconds_and_peak_per_w(junit):
+    rows, phases, xfails, xpasses = gpu_ci.summarize({junit: {"production": ["test_known_defects.py"]}})
+    table = gpu_ci.render(rows, phases, [], ["production"], xfails, xpasses).splitlines()
+    header = table.index("| production: W | cases | case s | peak GPU GiB |")
+    assert table[header + 2].startswith("| - | 3 | ")  # the test ids name no W: one row, its three cases
+
+
 def test_the_run_ends_with_one_line_per_xpass(junit, tmp_path, monkeypatch, capsys):
     def sessions_that_wrote_the_junit(runs, out, timeout):
         for run in runs:
@@ -78,5 +85,5 @@ def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_pat
     runs, _, _, left_out = gpu_ci.plan(args, tmp_path, gpus=1)
     waves = {run.name: run.wave for run in runs}
     later = 0 if one_wave else 1
-    assert waves == {"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "vllm": later, "dsv41": later}
+    assert waves == {"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "vllm": later, "dsv41": later, "production": later}
     assert left_out is None
