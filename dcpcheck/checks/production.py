@@ -27,6 +27,15 @@ from dcpcheck.scenarios.production import BYTE_OFFSET_MARK, PROFILES, production
 ORACLE_ROWS = 64  # more rows than this: the oracle checks every request's first and last row and every 8th
 
 
+def stored_in_pieces(rows: torch.Tensor, kv_cache_format: str, piece: int = 1 << 16) -> torch.Tensor:
+    """:func:`stored_values` of ``rows``, ``piece`` rows at a time: its fp32 temporaries of a served request's
+    every token would be gigabytes a rank."""
+    stored = torch.empty_like(rows)
+    for start in range(0, rows.shape[0], piece):
+        stored[start : start + piece] = stored_values(rows[start : start + piece], kv_cache_format)
+    return stored
+
+
 def oracle_rows(roles: tuple[str, ...], token_to_req: torch.Tensor) -> torch.Tensor:
     """Every row of a small step; of a large one each request's first and last row and every 8th."""
     if len(roles) <= ORACLE_ROWS:
@@ -73,7 +82,7 @@ def check_production_step(
     if declared.kv_cache_format is not None:
         # What the layer's caches give back, which is what its kernel reads.
         stored = {
-            name: stored_values(getattr(inputs, name), declared.kv_cache_format) for name in ("states", "swa_cache")
+            name: stored_in_pieces(getattr(inputs, name), declared.kv_cache_format) for name in ("states", "swa_cache")
         }
         inputs = replace(inputs, **stored)
     heads = own_heads(ctx, num_heads)
