@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from dcpcheck.impls.dsv41.probes.backend_agreement import backend_agreement_finding
+from dcpcheck.impls.dsv41.probes.capture_metadata import capture_metadata_finding
 from dcpcheck.impls.dsv41.probes.combine_context import combine_context_finding
 from dcpcheck.impls.dsv41.probes.common import probe_device
 from dcpcheck.impls.dsv41.probes.gather_cost import GEOMETRY_STACK, gather_geometry_reads
@@ -38,6 +39,7 @@ HEAD_COUNTS = "DCP head counts"
 COMBINE_CONTEXT = "combine launch context"
 KERNEL_ENVELOPE = "SM120 kernel envelope"
 BACKEND_AGREEMENT = "per-rank backend agreement"
+CAPTURE_METADATA = "graph-capture metadata"
 
 
 class ServingFindings:
@@ -100,6 +102,10 @@ class ServingFindings:
         return combine_context_finding(self._build_layer)
 
     @functools.cached_property
+    def capture_metadata(self) -> str | None:
+        return capture_metadata_finding(self._tree, self._vllm)
+
+    @functools.cached_property
     def backend_agreement(self) -> str | None:
         return backend_agreement_finding(self._tree)
 
@@ -113,6 +119,7 @@ class ServingFindings:
             HEAD_COUNTS: self.head_counts,
             COMBINE_CONTEXT: self.combine_context,
             BACKEND_AGREEMENT: self.backend_agreement,
+            CAPTURE_METADATA: self.capture_metadata,
             COMPRESSED_WRITER: self.compressed_writer,
             READ_UNIT: self.read_unit,
             SWA_CACHE_PLACEMENT: self.swa_placement,

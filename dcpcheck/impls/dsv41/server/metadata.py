@@ -23,10 +23,13 @@ def build_compressed_metadata(
     token_to_req: torch.Tensor,
     num_actual_tokens: int,
     topk_tokens: int,
+    for_cudagraph_capture: bool = False,
 ):
     """The step's ``DeepseekV4FlashMLAMetadata`` from the tree's metadata
-    builder's ``build`` (its compressed slot mapping included). The builder's
-    state is what its ``__init__`` derives from the KV-cache spec; that
+    builder's ``build`` (its compressed slot mapping included), or, with
+    ``for_cudagraph_capture``, its ``build_for_cudagraph_capture`` (what vLLM's runner
+    calls while it captures a graph, ``v1/worker/gpu_model_runner.py`` ``_build_attention_metadata``).
+    The builder's state is what its ``__init__`` derives from the KV-cache spec; that
     ``__init__`` needs vLLM's runner, so it is set here."""
     builder_cls = getattr(tree.module({}), BUILDER_CLASS)
     builder = builder_cls.__new__(builder_cls)
@@ -51,6 +54,8 @@ def build_compressed_metadata(
         block_table_tensor=block_table,
         token_to_req_indices=lambda buffer: token_to_req,
     )
+    if for_cudagraph_capture:
+        return builder_cls.build_for_cudagraph_capture(builder, common)
     return builder_cls.build(builder, 0, common)
 
 

@@ -1,0 +1,95 @@
+"""Does the tree's DSV4.1 metadata builder give a captured CUDA graph the same DCP-local
+metadata as the real step?
+
+The GB10 TP2+DCP2 bring-up (tpurtell/ds4fv-vllm-28-sm12x) found three setup paths that
+omitted the DCP-local lengths: the proposer's inputs, the eager/profile dummy run and the
+graph-capture metadata builder. In vLLM 0.33.0 the runner's dummy batch
+(``v1/worker/gpu_model_runner.py`` ``_dummy_run``, the profile run's too) goes through the
+real step's ``_build_attention_metadata``: the DCP-local lengths from
+``get_dcp_local_seq_lens`` and the token slots from ``BlockTable.compute_slot_mapping``
+(``v1/worker/cp_utils.py`` ``prepare_dcp_dummy_context_metadata`` gives the dummy requests
+``W * interleave`` tokens of context first); only the builder's call differs while a
+graph is captured: ``build_for_cudagraph_capture``, which the DSV4.1 builders inherit from
+``AttentionMetadataBuilder`` (``v1/attention/backend.py``) or override. So the probe asks the
+tree's own builder, on each rank, for the metadata of one request through ``build`` and
+through ``build_for_cudagraph_capture``, from the same rank-local inputs (vLLM's DCP token
+slots of that rank), and compares every tensor and number of the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcpcheck.impls.dsv41.probes.common import (
+    PROBE_INTERLEAVE_TOKENS,
+    PROBE_PAGE_TOKENS,
+    PROBE_RATIO,
+    PROBE_TOKENS,
+    PROBE_WORLD_SIZE,
+    probe_request,
+)
+from dcpcheck.impls.dsv41.server.metadata import build_compressed_metadata
+from dcpcheck.impls.dsv41.tree.loading import BUILDER_CLASS, PortTree
+
+
+def _fields(metadata) -> dict:
+    """The metadata's tensors and numbers by name (what a captured graph reads)."""
+    return {
+        name: value
+        for name, value in vars(metadata).items()
+        if isinstance(value, torch.Tensor | int | float | bool) or value is None
+    }
+
+
+def _differs(step, captured) -> bool:
+    if isinstance(step, torch.Tensor) and isinstance(captured, torch.Tensor):
+        return step.shape != captured.shape or not torch.equal(step, captured)
+    return step != captured
+
+
+def _metadata(tree: PortTree, vllm, rank: int, *, for_cudagraph_capture: bool):
+    positions, token_to_req, block_table = probe_request(rank)
+    token_slots = vllm.token_slots(
+        positions,
+        token_to_req,
+        block_table,
+        tokens_per_page=PROBE_PAGE_TOKENS,
+        world_size=PROBE_WORLD_SIZE,
+        rank=rank,
+        token_interleave=PROBE_INTERLEAVE_TOKENS,
+    )
+    return build_compressed_metadata(
+        tree,
+        rho=PROBE_RATIO,
+        tokens_per_page=PROBE_PAGE_TOKENS,
+        token_slots=token_slots,
+        query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device=positions.device),
+        seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32, device=positions.device),
+        block_table=block_table.clone(),
+        token_to_req=token_to_req,
+        num_actual_tokens=PROBE_TOKENS,
+        topk_tokens=0,
+        for_cudagraph_capture=for_cudagraph_capture,
+    )
+
+
+def capture_metadata_finding(tree: PortTree, vllm) -> str | None:
+    """Does the tree's builder give ``build_for_cudagraph_capture`` the real step's metadata on
+    every rank? None if it does."""
+    problems = []
+    for rank in range(PROBE_WORLD_SIZE):
+        step = _fields(_metadata(tree, vllm, rank, for_cudagraph_capture=False))
+        captured = _fields(_metadata(tree, vllm, rank, for_cudagraph_capture=True))
+        differing = sorted(
+            name for name in step.keys() | captured.keys() if _differs(step.get(name), captured.get(name))
+        )
+        if differing:
+            problems.append(f"rank {rank}: {', '.join(differing)}")
+    if not problems:
+        return None
+    builder = getattr(tree.module({}), BUILDER_CLASS)
+    return (
+        f"{builder.__qualname__}.build_for_cudagraph_capture builds other metadata than its build for the same "
+        f"rank-local step (W={PROBE_WORLD_SIZE}, compress ratio {PROBE_RATIO}, a {PROBE_INTERLEAVE_TOKENS}-token "
+        f"interleave), so a captured graph replays another placement than the eager step: " + "; ".join(problems)
+    )
