@@ -24,8 +24,7 @@ each span the chunk loop walks (the step's rows; for an implementation that
 declares ``prefill_chunk_size``, each request chunk's rows too), and half of
 the step (two full sub-chunks). Every run, and the gathered path, must equal
 DCP1. The decode threshold (vLLM's ``reorder_batch_threshold`` of 1,
-``split_decodes_and_prefills``) is driven by the serving traces, whose
-prompts of one token are routed as decodes (tests/e2e/test_prefill_chunks.py).
+``split_decodes_and_prefills``) is tests/e2e/test_decode_threshold.py's.
 """
 
 from __future__ import annotations
