@@ -126,6 +126,7 @@ def _init_group(args, startup: dict):
 
 
 def _run_task(task: messages.RunCase, group, impl_spec: str):
+    from dcpcheck import triton_interpreter
     from dcpcheck.coverage_context import switch as switch_coverage_context
     from dcpcheck.impls.registry import load_implementation
     from dcpcheck.ranks.rankfn import RankContext, run_rank_case
@@ -137,6 +138,7 @@ def _run_task(task: messages.RunCase, group, impl_spec: str):
     switch_coverage_context(task.case.nodeid)
     fn = pickle.loads(task.fn)
     impl = load_implementation(impl_spec)
+    triton_interpreter.install()  # done once: where the zygote's server loaded the implementation, inherited
     ctx = RankContext(group=group, device=group.device, impl=impl, case=task.case)
     return run_rank_case(fn, ctx)
 
