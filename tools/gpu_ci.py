@@ -145,14 +145,14 @@ VLLM_SESSIONS = (
     ),
 )
 # The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the
-# real port, in wave 1 beside the vllm and dsv41 sessions: its cases are few and large (two workers), and
-# shorter together than the dsv41 session, so the CI's wall time stays that of its two waves.
+# real port, in wave 1 beside the vllm and dsv41 sessions: its cases are few and large (up to 21 GiB a rank,
+# tests/production), so one worker runs them one at a time (two side by side ran an H100 out of memory).
 PRODUCTION_SESSION = Session(
     "production",
     (Step("production", ("tests/production",)),),
     # After the run's --dcp-timeout, so it wins: a case at 300K tokens builds its inputs and caches on each rank.
     extra_args=("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX"),
-    workers_share=0.4,
+    workers_share=0.0,  # no xdist: one worker
     wave=1,
 )
 # The sessions that run only where vLLM imports.
