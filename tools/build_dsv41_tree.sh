@@ -35,8 +35,15 @@ DIFF=${2:-$ROOT/../shared/seeds/002_ce6637cb7dfa2225.txt}
 VENV=${3:-$ROOT/.venv}
 COMPANION=vllm/model_executor/kernels/attention/dsa/candidate_blocks.py
 
-# The venv's installed vLLM, even where PYTHONPATH puts a tree (an earlier build) first: the mirror links to the install.
-src=$(env -u PYTHONPATH "$VENV/bin/python" -c 'import os, vllm; print(os.path.realpath(os.path.dirname(vllm.__file__)))' 2>/dev/null) || {
+# The installed vLLM the venv imports (its own, or one PYTHONPATH names, as on a GPU host's carry), never a
+# DCP2 tree PYTHONPATH puts first (an earlier build, the carry's dsv41-tree): a tree's files are links.
+src=$("$VENV/bin/python" - 2>/dev/null <<'PY'
+import os, sys
+sys.path[:] = [p for p in sys.path if not os.path.islink(os.path.join(p or ".", "vllm", "__init__.py"))]
+import vllm
+print(os.path.realpath(os.path.dirname(vllm.__file__)))
+PY
+) || {
   echo "error: no vLLM in $VENV (run tools/install_vllm_cpu.sh $VENV first)" >&2
   exit 2
 }

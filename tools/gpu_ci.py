@@ -145,27 +145,32 @@ VLLM_SESSIONS = (
     ),
 )
 # The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the
-# real port, in wave 1 beside the vllm and dsv41 sessions: its cases are few and large (up to 21 GiB a rank,
-# tests/production), so one worker runs them one at a time (two side by side ran an H100 out of memory).
-PRODUCTION_SESSION = Session(
-    "production",
-    (Step("production", ("tests/production",)),),
-    # After the run's --dcp-timeout, so it wins: a case at 300K tokens builds its inputs and caches on each rank.
-    extra_args=("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX"),
-    workers_share=0.0,  # no xdist: one worker
-    wave=1,
+# real port. Its cases are few and large (up to 21 GiB a rank), so one worker runs them one at a time (two
+# side by side ran an H100 out of memory): W 1, 2 and 4 in wave 1 beside the vllm and dsv41 sessions, W = 8
+# (8 ranks of 6-7 GiB) alone after them (beside them it ran an H100 out of memory). The sessions' own
+# --world-sizes win over the run's.
+PRODUCTION_ARGS = ("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
+PRODUCTION_SESSIONS = tuple(
+    Session(
+        name,
+        (Step("production", ("tests/production",)),),
+        extra_args=(*PRODUCTION_ARGS, "--world-sizes", world_sizes),
+        workers_share=0.0,  # no xdist: one worker
+        wave=wave,
+    )
+    for name, world_sizes, wave in (("production", "1,2,4", 1), ("production-w8", "8", 2))
 )
 # The sessions that run only where vLLM imports.
-NEEDS_VLLM = (*VLLM_SESSIONS, PRODUCTION_SESSION)
+NEEDS_VLLM = (*VLLM_SESSIONS, *PRODUCTION_SESSIONS)
 # The steps whose summary adds wall time and peak GPU memory per W.
 PER_WORLD_STEPS = ("production",)
 SESSIONS = (
     Session("pool", POOL_STEPS),
     *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),
     *VLLM_SESSIONS,
-    PRODUCTION_SESSION,
+    *PRODUCTION_SESSIONS,
 )
-STEP_NAMES = tuple(step.name for session in SESSIONS for step in session.steps)
+STEP_NAMES = tuple(dict.fromkeys(step.name for session in SESSIONS for step in session.steps))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest's skipping plugin, which marks the XPASS
