@@ -2,8 +2,9 @@
 
 The DCP2 port calls the kernel through two names of its module:
 ``_sm120_sparse_attention_with_lse`` (the DCP path, which returns the LSE) and
-``flashinfer_trtllm_batch_decode_sparse_mla_dsv4`` (the DCP1 path). This
-module gives both the kernel's documented contract, in plain torch:
+``flashinfer_trtllm_batch_decode_sparse_mla_dsv4`` (the DCP1 path); both reach
+FlashInfer's SM120 entry (:mod:`.flashinfer_stand_in`), where this module's
+:func:`sparse_attention_with_lse` computes the kernel's documented contract in plain torch:
 
 * ``query``/``out`` ``[T, H, D]`` bf16; caches paged ``[blocks, block_size, (1,) C]``: vLLM's
   ``fp8_ds_mla`` record (uint8, C its bytes per token), each nope value times its
@@ -142,44 +143,3 @@ def sm120_sparse_attention_with_lse(
         sinks,
         lse,
     )
-
-
-def trtllm_batch_decode_sparse_mla_dsv4(
-    *,
-    query,
-    swa_kv_cache,
-    workspace_buffer,
-    sparse_indices,
-    compressed_kv_cache,
-    out,
-    bmm1_scale,
-    sinks,
-    kv_layout,
-    swa_topk_lens,
-    extra_sparse_indices,
-    extra_sparse_topk_lens,
-) -> None:
-    """vLLM's ``flashinfer_trtllm_batch_decode_sparse_mla_dsv4`` (no LSE out)."""
-    del workspace_buffer
-    if kv_layout != "NHD":
-        raise KernelContractError(f"kv_layout={kv_layout!r}; the SM120 kernel takes 'NHD'")
-    lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-    sparse_attention_with_lse(
-        query,
-        swa_kv_cache,
-        sparse_indices,
-        swa_topk_lens,
-        compressed_kv_cache,
-        extra_sparse_indices,
-        extra_sparse_topk_lens,
-        out,
-        bmm1_scale,
-        sinks,
-        lse,
-    )
-
-
-def has_sm120_config(num_q_heads: int, top_k: int) -> bool:
-    """Stand-in for vLLM's ``has_flashinfer_sparse_mla_sm120_config``."""
-    del top_k
-    return num_q_heads in KERNEL_HEADS
