@@ -22,13 +22,10 @@ import torch
 
 from dcpcheck.impls.dsv41.probes.common import (
     PROBE_INTERLEAVE_TOKENS,
-    PROBE_PAGE_TOKENS,
     PROBE_RATIO,
-    PROBE_TOKENS,
     PROBE_WORLD_SIZE,
-    probe_request,
 )
-from dcpcheck.impls.dsv41.server.metadata import build_compressed_metadata
+from dcpcheck.impls.dsv41.probes.writer import probe_metadata
 from dcpcheck.impls.dsv41.tree.loading import BUILDER_CLASS, PortTree
 
 
@@ -47,39 +44,13 @@ def _differs(step, captured) -> bool:
     return step != captured
 
 
-def _metadata(tree: PortTree, vllm, rank: int, *, for_cudagraph_capture: bool):
-    positions, token_to_req, block_table = probe_request(rank)
-    token_slots = vllm.token_slots(
-        positions,
-        token_to_req,
-        block_table,
-        tokens_per_page=PROBE_PAGE_TOKENS,
-        world_size=PROBE_WORLD_SIZE,
-        rank=rank,
-        token_interleave=PROBE_INTERLEAVE_TOKENS,
-    )
-    return build_compressed_metadata(
-        tree,
-        rho=PROBE_RATIO,
-        tokens_per_page=PROBE_PAGE_TOKENS,
-        token_slots=token_slots,
-        query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device=positions.device),
-        seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32, device=positions.device),
-        block_table=block_table.clone(),
-        token_to_req=token_to_req,
-        num_actual_tokens=PROBE_TOKENS,
-        topk_tokens=0,
-        for_cudagraph_capture=for_cudagraph_capture,
-    )
-
-
 def capture_metadata_finding(tree: PortTree, vllm) -> str | None:
     """Does the tree's builder give ``build_for_cudagraph_capture`` the real step's metadata on
     every rank? None if it does."""
     problems = []
     for rank in range(PROBE_WORLD_SIZE):
-        step = _fields(_metadata(tree, vllm, rank, for_cudagraph_capture=False))
-        captured = _fields(_metadata(tree, vllm, rank, for_cudagraph_capture=True))
+        step = _fields(probe_metadata(tree, vllm, rank, for_cudagraph_capture=False))
+        captured = _fields(probe_metadata(tree, vllm, rank, for_cudagraph_capture=True))
         differing = sorted(
             name for name in step.keys() | captured.keys() if _differs(step.get(name), captured.get(name))
         )

@@ -55,35 +55,42 @@ def dcp_writer_slots(vllm, rank: int) -> torch.Tensor:
     )
 
 
+def probe_metadata(tree: PortTree, vllm, rank: int, *, for_cudagraph_capture: bool = False):
+    """The tree's builder's metadata of the probe's request on ``rank``, from vLLM's DCP token slots of that
+    rank (through ``build_for_cudagraph_capture`` where asked)."""
+    positions, token_to_req, block_table = probe_request(rank)
+    token_slots = vllm.token_slots(
+        positions,
+        token_to_req,
+        block_table,
+        tokens_per_page=PROBE_PAGE_TOKENS,
+        world_size=PROBE_WORLD_SIZE,
+        rank=rank,
+        token_interleave=PROBE_INTERLEAVE_TOKENS,
+    )
+    return build_compressed_metadata(
+        tree,
+        rho=PROBE_RATIO,
+        tokens_per_page=PROBE_PAGE_TOKENS,
+        token_slots=token_slots,
+        query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device=positions.device),
+        seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32, device=positions.device),
+        block_table=block_table.clone(),
+        token_to_req=token_to_req,
+        num_actual_tokens=PROBE_TOKENS,
+        topk_tokens=0,
+        for_cudagraph_capture=for_cudagraph_capture,
+    )
+
+
 def writer_finding(tree: PortTree, vllm) -> str | None:
     """Does the tree's builder place compressed states where vLLM's DCP writer does? None if it does."""
     wrong = 0
     written = 0
     with _recording_writer_calls(tree) as calls:
         for rank in range(PROBE_WORLD_SIZE):
-            positions, token_to_req, block_table = probe_request(rank)
             expected = dcp_writer_slots(vllm, rank)
-            token_slots = vllm.token_slots(
-                positions,
-                token_to_req,
-                block_table,
-                tokens_per_page=PROBE_PAGE_TOKENS,
-                world_size=PROBE_WORLD_SIZE,
-                rank=rank,
-                token_interleave=PROBE_INTERLEAVE_TOKENS,
-            )
-            metadata = build_compressed_metadata(
-                tree,
-                rho=PROBE_RATIO,
-                tokens_per_page=PROBE_PAGE_TOKENS,
-                token_slots=token_slots,
-                query_start_loc=torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device=positions.device),
-                seq_lens=torch.tensor([PROBE_TOKENS], dtype=torch.int32, device=positions.device),
-                block_table=block_table.clone(),
-                token_to_req=token_to_req,
-                num_actual_tokens=PROBE_TOKENS,
-                topk_tokens=0,
-            )
+            metadata = probe_metadata(tree, vllm, rank)
             actual = metadata.slot_mapping[:PROBE_TOKENS]
             wrong += int((actual != expected).sum())
             written += int((expected >= 0).sum())
