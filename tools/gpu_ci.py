@@ -51,6 +51,14 @@ sys.path.insert(0, str(REPO))
 # that pytest still rewrites that plugin's asserts (and warns of nothing), it is told first.
 pytest.register_assert_rewrite("dcpcheck.plugin")
 from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
+from gpu_ci_sessions import (  # noqa: E402
+    LONGEST_FIRST,
+    NEEDS_VLLM,
+    PER_WORLD_STEPS,
+    SESSIONS,
+    STEP_NAMES,
+    Session,
+)
 from session_cut import (  # noqa: E402, F401  (the hooks: this module is the sessions' plugin)
     PROGRESS_ENV,
     cut_cases,
@@ -65,7 +73,6 @@ from dcpcheck.impls.dsv41.kernels.selection import installed_version  # noqa: E4
 from dcpcheck.plugin import junit_properties as prop  # noqa: E402
 from dcpcheck.plugin.file_durations import durations_path, handed_out_order, read_durations, table_key  # noqa: E402
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
-from dcpcheck.stages import E2E_TEST_DIR, STAGE_TEST_DIRS, SUITE_TEST_DIRS  # noqa: E402
 
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 SLOWEST_SHOWN = 8  # test modules listed by their cases' seconds
@@ -76,101 +83,6 @@ PLUGIN = "gpu_ci"
 XPASS_NODEID = "gpu_ci_xpass_nodeid"
 XPASS_REASON = "gpu_ci_xpass_reason"
 XPASS_NOTE = "XPASS (a known defect did not show: fixed, or its case missed it)"
-
-
-@dataclass(frozen=True)
-class Step:
-    """A named set of test paths (globs relative to the repo): the summary's
-    unit. Its cases are told apart from other steps' by their test files."""
-
-    name: str
-    paths: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Session:
-    """One pytest process (or one torchrun job) running some steps' tests.
-    ``extra_args`` and ``env`` are its own (e.g. another ``--dcp-impl``)."""
-
-    name: str
-    steps: tuple[Step, ...]
-    torchrun: bool = False
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    workers_share: float = 1.0  # of --workers
-    wave: int = 0  # sessions of one wave run at once, the waves one after another
-
-
-POOL_STEPS = (
-    Step("harness", ("tests/selftest",)),
-    *(Step(f"stage{stage}", (folder,)) for stage, folder in STAGE_TEST_DIRS.items()),
-    Step("e2e", (E2E_TEST_DIR,)),
-    Step("realistic", ("tests/gpu/test_*.py",)),
-)
-# A session hands its files to the xdist workers in command-line order
-# (DCPCHECK_XDIST_SPREAD): the longest go first, so the short files fill in
-# around them; the rest follow by step. Longest by the durations measured on
-# this host for the session's device and implementation
-# (dcpcheck/plugin/file_durations.py); without them (a clean clone), these,
-# the longest on one H200, first.
-LONGEST_FIRST = (
-    "tests/selftest/test_rank_failures.py",
-    "tests/selftest/test_no_orphans.py",
-    "tests/selftest/test_session_end.py",
-    "tests/gpu/test_stage9_realistic.py",
-    "tests/e2e/test_serving_trace.py",
-    "tests/selftest/test_session_setup.py",
-    "tests/gpu/test_stage3_realistic.py",
-    "tests/gpu/test_stage1_realistic.py",
-    "tests/selftest/test_torchrun_mode.py",
-    "tests/stage3_combine/test_combine.py",
-    "tests/stage1_index/test_partition.py",
-)
-STAGE_PATHS = SUITE_TEST_DIRS
-# Under torchrun the stage tests and the realistic ones (about as long, serial
-# either way) run as two jobs side by side.
-TORCHRUN_STEPS = (Step("torchrun", STAGE_PATHS), Step("torchrun-gpu", ("tests/gpu",)))
-# The stage tests against an installed vLLM tree and its DCP2 port (tools/carry_vllm.py
-# carries both to a GPU host); run only where vLLM imports. In a second wave,
-# after the pool and torchrun sessions (every rank process imports vLLM on
-# CUDA: beside the pool session 10 workers' pools, about 150 ranks, ran one
-# H200 out of memory at pool starts). dsv41 has the longest cases (its serving
-# traces run the tree's own stack): more of the workers.
-VLLM_SESSIONS = (
-    Session(
-        "vllm", (Step("vllm", STAGE_PATHS),), extra_args=("--dcp-impl", "vllm", "-rfExX"), workers_share=0.5, wave=1
-    ),
-    Session(
-        "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.8, wave=1
-    ),
-)
-# The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the
-# real port. Its cases are few and large (up to 21 GiB a rank), so one worker runs them one at a time (two
-# side by side ran an H100 out of memory): W 1, 2 and 4 in wave 1 beside the vllm and dsv41 sessions, W = 8
-# (8 ranks of 6-7 GiB) alone after them (beside them it ran an H100 out of memory). The sessions' own
-# --world-sizes win over the run's.
-PRODUCTION_ARGS = ("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
-PRODUCTION_SESSIONS = tuple(
-    Session(
-        name,
-        (Step("production", ("tests/production",)),),
-        extra_args=(*PRODUCTION_ARGS, "--world-sizes", world_sizes),
-        workers_share=0.0,  # no xdist: one worker
-        wave=wave,
-    )
-    for name, world_sizes, wave in (("production", "1,2,4", 1), ("production-w8", "8", 2))
-)
-# The sessions that run only where vLLM imports.
-NEEDS_VLLM = (*VLLM_SESSIONS, *PRODUCTION_SESSIONS)
-# The steps whose summary adds wall time and peak GPU memory per W.
-PER_WORLD_STEPS = ("production",)
-SESSIONS = (
-    Session("pool", POOL_STEPS),
-    *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),
-    *VLLM_SESSIONS,
-    *PRODUCTION_SESSIONS,
-)
-STEP_NAMES = tuple(dict.fromkeys(step.name for session in SESSIONS for step in session.steps))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest's skipping plugin, which marks the XPASS
