@@ -27,6 +27,7 @@ PHASES = (
     "compile_s",
     "out_of_memory_retries",
     "idle_pools_ended",
+    "gpu_ledger_wait_s",
 )
 
 

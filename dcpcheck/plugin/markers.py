@@ -8,6 +8,7 @@ import pytest
 from dcpcheck.impls.protocol import SCENARIO_PROPERTIES
 from dcpcheck.plugin import junit_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session
+from dcpcheck.ranks.gpu_ledger import GPU_MEMORY_USABLE
 from dcpcheck.stages import skip_reason as stage_skip_reason
 
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)  # what a multi-rank test supports unless it says otherwise
@@ -71,9 +72,8 @@ def _skip_reason(item, session: DcpSession) -> str | None:
     return None
 
 
-# What a GPU may hold of the ranks' declared needs (allocator slack aside),
-# and what each rank's CUDA context takes besides (0.8 GiB measured on an H200).
-GPU_MEMORY_USABLE = 0.85
+# What each rank's CUDA context takes besides its declared need (0.8 GiB measured on an H200); what a GPU may
+# hold of the declared needs is the GPU ledger's GPU_MEMORY_USABLE.
 CUDA_CONTEXT_GIB = 1.0
 
 

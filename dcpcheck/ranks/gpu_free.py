@@ -67,3 +67,16 @@ def gpu_memory(cuda_index: int) -> GpuMemory | None:
     if handle is None or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != NVML_SUCCESS:
         return None
     return GpuMemory(total_bytes=memory.total, free_bytes=memory.free)
+
+
+def gpu_uuid(cuda_index: int) -> str | None:
+    """NVML's UUID of CUDA device ``cuda_index`` (``GPU-...``): one name for it in every process of the host,
+    whatever each one's ``CUDA_VISIBLE_DEVICES``; None where NVML cannot say."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    handle = _handle(nvml, cuda_index)
+    name = ctypes.create_string_buffer(96)  # nvml.h: NVML_DEVICE_UUID_V2_BUFFER_SIZE
+    if handle is None or nvml.nvmlDeviceGetUUID(handle, name, ctypes.c_uint(len(name))) != NVML_SUCCESS:
+        return None
+    return name.value.decode()

@@ -67,7 +67,8 @@ class CaseResult:
     # or wedged): the session stops after this test, saying why.
     stop_session: str | None = None
     # The start-up of the pool this case had to start first (RankPool.startup), and how many idle pools were
-    # ended first to free GPU memory for it (idle_pools_ended); else empty.
+    # ended first to free GPU memory for it (idle_pools_ended), and how long it waited for its declared GPU memory
+    # (gpu_ledger_wait_s); else empty.
     pool_startup: dict = field(default_factory=dict)
 
     @property

@@ -14,8 +14,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 
 from dcpcheck.ranks.gpu_free import GpuMemory, gpu_memory
+from dcpcheck.ranks.gpu_ledger import GpuLedger, host_ledger
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import PoolOutOfMemory, RankGoneBeforeCase, RankPool
@@ -42,9 +44,11 @@ class SpawnedRanks:
         case_timeout: float,
         startup_timeout: float,
         gpu_memory: Callable[[int], GpuMemory | None] = gpu_memory,
+        gpu_ledger: Callable[[int], GpuLedger | None] = host_ledger,
     ):
         self.placement = placement  # world size -> where its ranks run
         self.gpu_memory = gpu_memory  # CUDA index -> its total and free memory now (None: unknown)
+        self.gpu_ledger = gpu_ledger  # CUDA index -> the host's ledger of declared needs on it (None: unknown)
         self.impl_spec = impl_spec
         self.startup_timeout = startup_timeout
         self.collective_timeout = case_timeout + COLLECTIVE_TIMEOUT_GRACE_S
@@ -134,18 +138,35 @@ class SpawnedRanks:
     def _end_idle_pools_if_gpu_short(self, case: Case) -> int:
         """End this process's pools of other world sizes (idle: one case runs
         at a time) where a GPU the case runs on has less free than
-        LOW_FREE_GPU_SHARE of it or than the case's ``gpu_gib_needed``: -> how many were ended."""
+        LOW_FREE_GPU_SHARE of it or than the case's ``gpu_gib_needed``, or a case
+        waits for memory there (the GPU ledger): -> how many were ended."""
         placement = self.placement(case.world_size)
         if placement.device_type != "cuda" or not set(self.pools) - {case.world_size}:
             return 0
         for index in range(placement.gpus_used):
+            ledger = self.gpu_ledger(index)
             memory = self.gpu_memory(index)
-            if memory is None:
-                continue
-            floor = max(LOW_FREE_GPU_SHARE * memory.total_bytes, case.gpu_gib_needed * 2**30)
-            if memory.free_bytes < floor:
+            short = False
+            if memory is not None:
+                floor = max(LOW_FREE_GPU_SHARE * memory.total_bytes, case.gpu_gib_needed * 2**30)
+                short = memory.free_bytes < floor
+            if short or (ledger is not None and ledger.someone_waits()):
                 return len(self._end_idle_pools(keep=case.world_size))
         return 0
+
+    def _hold_gpu_memory(self, case: Case, stack: ExitStack) -> float:
+        """Hold the case's declared GPU memory in each of its GPUs' ledgers for the case (in index order, so
+        that two multi-GPU cases never wait for each other), waiting at most the case's timeout on each:
+        -> the seconds waited."""
+        placement = self.placement(case.world_size)
+        if placement.device_type != "cuda" or not case.gpu_gib_needed:
+            return 0.0
+        waited = 0.0
+        for index in range(placement.gpus_used):
+            ledger = self.gpu_ledger(index)
+            if ledger is not None:
+                waited += stack.enter_context(ledger.hold(case.gpu_gib_needed, case.nodeid, case.timeout))
+        return waited
 
     def _end_idle_pools(self, keep: int | None) -> list[int]:
         """End every pool but ``keep``'s (idle: one case runs at a time): -> their world sizes."""
@@ -155,6 +176,14 @@ class SpawnedRanks:
         return ended
 
     def run(self, fn, case: Case) -> CaseResult:
+        with ExitStack() as held:
+            waited = self._hold_gpu_memory(case, held)
+            result = self._run(fn, case)
+        if waited >= 0.1:
+            result.pool_startup["gpu_ledger_wait_s"] = round(waited, 1)
+        return result
+
+    def _run(self, fn, case: Case) -> CaseResult:
         world_size = case.world_size
         ended = self._end_idle_pools_if_gpu_short(case)
         for attempt in (1, 2):

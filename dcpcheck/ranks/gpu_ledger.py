@@ -1,0 +1,130 @@
+"""A host-wide ledger of the GPU memory that running cases said they need.
+
+Several pytest processes share one GPU (the xdist workers of a session, and
+the sessions ``tools/gpu_ci.py`` runs side by side). Each checks that its GPU
+has the case's ``gpu_memory`` free before it starts (``SpawnedRanks``), but
+two workers that look at once both see it free and then both allocate it: on
+one H100 two realistic stage-9 cases ran out of memory mid-case that way. So
+a marked case *holds* its GiB here for as long as it runs, and a case whose
+GiB do not fit beside what others hold waits for them, first come first
+served, up to its wait limit; past that it runs anyway (the ledger counts
+what cases declared, not what they use) and says how long it waited.
+
+One JSON file per GPU (NVML's UUID names it) in the temporary directory,
+locked with ``flock`` for each read-modify-write, holds the entries
+(``held`` and ``waiting``: pid, GiB, case). An entry whose process is gone is
+dropped, so a killed worker never blocks the GPU. Unmarked cases hold
+nothing. A worker also ends its idle pools when someone waits
+(:meth:`GpuLedger.someone_waits`): their CUDA contexts are memory too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcpcheck.ranks.gpu_free import gpu_memory, gpu_uuid
+
+LEDGER_DIR_ENV = "DCPCHECK_GPU_LEDGER_DIR"  # where the ledgers live (default: the temporary directory)
+# What share of a GPU the declared needs may add up to: the rest is for what no case declares
+# (CUDA contexts of idle pools, unmarked cases, other programs). plugin/markers.py skips a case above it.
+GPU_MEMORY_USABLE = 0.85
+POLL_S = 0.2
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Entry:
+    pid: int
+    token: str
+    gib: float
+    case: str
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class GpuLedger:
+    """The ledger of one GPU: ``capacity_gib`` is what the declared needs may add up to."""
+
+    def __init__(self, path: Path, capacity_gib: float):
+        self.path = path
+        self.capacity_gib = capacity_gib
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        """The ledger's entries (dead processes' dropped), written back when the block ends."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.read(fd, 1 << 20)
+            try:
+                state = json.loads(raw) if raw else {}
+            except ValueError:
+                state = {}  # a torn file (a writer killed mid-write): its entries' processes re-register
+            entries = {
+                kind: [Entry(**e) for e in state.get(kind, []) if _alive(e["pid"])] for kind in ("held", "waiting")
+            }
+            yield entries
+            data = json.dumps({kind: [e.__dict__ for e in items] for kind, items in entries.items()}).encode()
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.ftruncate(fd, 0)
+            os.write(fd, data)
+        finally:
+            os.close(fd)  # releases the lock
+
+    @contextmanager
+    def hold(self, gib: float, case: str, wait_limit: float) -> Iterator[float]:
+        """Hold ``gib`` for the block, after waiting (at most ``wait_limit`` s) until it fits beside what others
+        hold and every earlier waiter went first: -> the seconds waited."""
+        me = Entry(os.getpid(), uuid.uuid4().hex, gib, case)
+        started = time.monotonic()
+        with self._locked() as entries:
+            entries["waiting"].append(me)
+        try:
+            while True:
+                with self._locked() as entries:
+                    waiting = [e for e in entries["waiting"] if e.token != me.token]
+                    first = entries["waiting"] and entries["waiting"][0].token == me.token
+                    held = sum(e.gib for e in entries["held"])
+                    fits = not entries["held"] or held + gib <= self.capacity_gib
+                    late = time.monotonic() - started >= wait_limit
+                    if (first and fits) or late:
+                        entries["waiting"] = waiting
+                        entries["held"].append(me)
+                        break
+                time.sleep(POLL_S)
+            yield time.monotonic() - started
+        finally:
+            with self._locked() as entries:
+                for kind in entries:
+                    entries[kind] = [e for e in entries[kind] if e.token != me.token]
+
+    def someone_waits(self) -> bool:
+        """Whether a case waits for memory on this GPU."""
+        with self._locked() as entries:
+            return bool(entries["waiting"])
+
+
+def host_ledger(cuda_index: int) -> GpuLedger | None:
+    """The ledger of CUDA device ``cuda_index`` on this host; None where NVML cannot name it."""
+    key, memory = gpu_uuid(cuda_index), gpu_memory(cuda_index)
+    if key is None or memory is None:
+        return None
+    directory = Path(os.environ.get(LEDGER_DIR_ENV) or tempfile.gettempdir())
+    return GpuLedger(directory / f"dcpcheck-gpu-ledger-{key}.json", GPU_MEMORY_USABLE * memory.total_bytes / GIB)
