@@ -77,7 +77,7 @@ VLLM_SESSIONS = (
     ),
 )
 # The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the real port
-# (dsv41, every W) and the embedded port (port, W 1 and 2: the users' DCP2), in wave 1 beside the vllm and dsv41
+# (dsv41, every W) and the embedded port (port, W = 2: the users' DCP2), in wave 1 beside the vllm and dsv41
 # sessions. Their cases are few and large (up to 21 GiB a rank): one worker each, and the GPU ledger
 # (dcpcheck/ranks/gpu_ledger.py) runs a case only where its declared memory fits beside the others' (two side by
 # side ran an H100 out of memory). W = 8 goes first (tests/production/test_production.py), while the other sessions'
@@ -92,7 +92,7 @@ PRODUCTION_SESSIONS = tuple(
         workers_share=0.0,  # no xdist: one worker
         wave=1,
     )
-    for name, impl, world_sizes in (("production", "dsv41", "1,2,4,8"), ("production-port", "port", "1,2"))
+    for name, impl, world_sizes in (("production", "dsv41", "1,2,4,8"), ("production-port", "port", "2"))
 )
 # The sessions that run only where vLLM imports.
 NEEDS_VLLM = (*VLLM_SESSIONS, *(session for session in PRODUCTION_SESSIONS if "dsv41" in session.extra_args))
