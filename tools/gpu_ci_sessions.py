@@ -76,26 +76,28 @@ VLLM_SESSIONS = (
         "dsv41", (Step("dsv41", STAGE_PATHS),), extra_args=("--dcp-impl", "dsv41", "-rfExX"), workers_share=0.8, wave=1
     ),
 )
-# The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the
-# real port. Its cases are few and large (up to 21 GiB a rank), so one worker runs them one at a time (two
-# side by side ran an H100 out of memory): W 1, 2 and 4 in wave 1 beside the vllm and dsv41 sessions, W = 8
-# (8 ranks of 6-7 GiB) alone after them (beside them it ran an H100 out of memory). The sessions' own
-# --world-sizes win over the run's.
-PRODUCTION_ARGS = ("--dcp-impl", "dsv41", "--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
+# The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the real port
+# (dsv41, every W) and the embedded port (port, W = 2: the users' DCP2), in wave 1 beside the vllm and dsv41
+# sessions. Their cases are few and large (up to 21 GiB a rank): one worker each, and the GPU ledger
+# (dcpcheck/ranks/gpu_ledger.py) runs a case only where its declared memory fits beside the others' (two side by
+# side ran an H100 out of memory). W = 8 goes first (tests/production/test_production.py), while the other sessions'
+# pools are few (beside them it ran an H100 out of memory). The sessions' own --world-sizes win over the run's.
+# vllm has no layer to run them.
+PRODUCTION_ARGS = ("--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
 PRODUCTION_SESSIONS = tuple(
     Session(
         name,
-        (Step("production", ("tests/production",)),),
-        extra_args=(*PRODUCTION_ARGS, "--world-sizes", world_sizes),
+        (Step(name, ("tests/production",)),),
+        extra_args=(*PRODUCTION_ARGS, "--dcp-impl", impl, "--world-sizes", world_sizes),
         workers_share=0.0,  # no xdist: one worker
-        wave=wave,
+        wave=1,
     )
-    for name, world_sizes, wave in (("production", "1,2,4", 1), ("production-w8", "8", 2))
+    for name, impl, world_sizes in (("production", "dsv41", "1,2,4,8"), ("production-port", "port", "2"))
 )
 # The sessions that run only where vLLM imports.
-NEEDS_VLLM = (*VLLM_SESSIONS, *PRODUCTION_SESSIONS)
+NEEDS_VLLM = (*VLLM_SESSIONS, *(session for session in PRODUCTION_SESSIONS if "dsv41" in session.extra_args))
 # The steps whose summary adds wall time and peak GPU memory per W.
-PER_WORLD_STEPS = ("production",)
+PER_WORLD_STEPS = tuple(session.name for session in PRODUCTION_SESSIONS)
 SESSIONS = (
     Session("pool", POOL_STEPS),
     *(Session(step.name, (step,), torchrun=True) for step in TORCHRUN_STEPS),

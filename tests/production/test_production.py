@@ -8,8 +8,8 @@ pages past 2^31 bytes of its KV pool. The cases run on CUDA, and on CPU with
 ``DCPCHECK_PROFILE=production``. ``test_production_logic_small`` runs everywhere: the same step at head
 dim 64 and 8 heads a rank, top-k 2048, positions past 2^17 and a pool past 2^31 bytes.
 
-Ratio 1 at every W, ratio 2 at W = 1: at W > 1 a ratio-2 layer of the seed port meets finding 1
-(docs/dsv41.md), which the e2e traces check with its cure.
+Ratio 1 at every W; ratio 2 at W = 1 and 2. At W > 1 a ratio-2 layer of the seed port meets finding 1
+(docs/dsv41.md): the case is its expected failure, and its run with the finding's cure checks the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ SERVED = pytest.mark.gpu_memory(21)
 SERVED_WIDE = pytest.mark.gpu_memory(7)
 GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
+# Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
+DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
 
 
 def require_production(dcp) -> None:
@@ -59,6 +61,16 @@ def run_production(dcp, *, layout, top_k, prefill_gather, rho=1):
 
 def layouts(world_size: int):
     return [pytest.param(layout, id=layout.name) for layout in SERVED_LAYOUTS[world_size]]
+
+
+# W = 8 first: tools/gpu_ci.py runs this file beside the vllm and dsv41 sessions, and 8 ranks of 7 GiB fit the
+# GPU best before those sessions' pools multiply.
+@SERVED_WIDE
+@pytest.mark.world_sizes(8)
+@pytest.mark.parametrize("prefill_gather", [GATHER])
+@pytest.mark.parametrize("layout", layouts(8))
+def test_production_dcp8(dcp, layout, prefill_gather):
+    run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
 
 
 # W = 1: the DCP1 path, every served top-k; ratio 2 there too.
@@ -87,6 +99,15 @@ def test_production_dcp2_of_tp4(dcp, layout, prefill_gather):
     run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
 
 
+# Ratio 2 at TP2xDCP2, an interleave of one state (2 tokens), on both prefill paths.
+@SERVED
+@DSV41_RATIO2
+@pytest.mark.world_sizes(2)
+@pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
+def test_production_dcp2_ratio2(dcp, prefill_gather):
+    run_production(dcp, layout=SERVED_LAYOUTS[2][0], top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather, rho=2)
+
+
 @SERVED_WIDE
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
@@ -95,24 +116,18 @@ def test_production_dcp4(dcp, layout, prefill_gather):
     run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
 
 
-@SERVED_WIDE
-@pytest.mark.world_sizes(8)
-@pytest.mark.parametrize("prefill_gather", [GATHER])
-@pytest.mark.parametrize("layout", layouts(8))
-def test_production_dcp8(dcp, layout, prefill_gather):
-    run_production(dcp, layout=layout, top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather)
-
-
 # The profile's logic at a small head dim: W 1 and 2, top-k 2048, positions past 2^17, vLLM's rows at that
-# max_model_len, the pool past 2^31 bytes (few pages touched); the gather at W = 2.
+# max_model_len, the pool past 2^31 bytes (few pages touched); the gather at W = 2; ratios 1 and 2.
 @pytest.mark.world_sizes(1, 2)
 @pytest.mark.stage(STAGE_PREFILL)
-def test_production_logic_small(dcp):
+@pytest.mark.parametrize("rho", [1, pytest.param(2, marks=DSV41_RATIO2)], ids=lambda rho: f"rho{rho}")
+def test_production_logic_small(dcp, rho):
     dcp.run(
         check_production_step,
         profile=SMALL_PRODUCTION.name,
-        rho=1,
+        rho=rho,
         top_k=max(SMALL_PRODUCTION.top_ks),
         local_heads=SMALL_PRODUCTION.heads_per_rank,
         prefill_gather=True,
+        interleave_tokens=rho,
     )

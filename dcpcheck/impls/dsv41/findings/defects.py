@@ -69,9 +69,10 @@ STAGE_VALUE_NOT_INTEGER = (
 # first breaks (a ratio-2 layer for the interleave unit, a later layer on the
 # gather path for the stale index cache); any other failure is news.
 SHOWS_PROBE = "{probe}: "
-# A ratio-2 layer's output: an e2e stack's layer, or stage 9's gathered prefill.
+# A ratio-2 layer's output: an e2e stack's layer, stage 9's gathered prefill, or a production step's.
 SHOWS_RATIO2_LAYER = (
     r"DCP-W vs [^(]*\(stage=e2e [^()]*layer=\d+ \(rho 2\)\)|gathered prefill vs [^(]*\(stage=9 [^()]*rho=2 "
+    r"|production step vs [^(]*\(stage=production [^()]*rho=2 "
 )
 SHOWS_STAGE1_READS = r"states read by rank \d+ vs the oracle"
 SHOWS_RELAUNCH_REFUSED = r"TypeError: function takes exactly \d+ arguments \(\d+ given\)"
