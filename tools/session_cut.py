@@ -1,5 +1,5 @@
 """Which cases ``gpu_ci.py --session-timeout`` cut. Loaded in every session
-through the ``gpu_ci`` plugin: each case's start and end are appended to the
+through the ``gpu_ci_plugin`` plugin: each case's start and end are appended to the
 file :data:`PROGRESS_ENV` names (by every process that runs or reports it:
 an xdist worker and its controller, every torchrun rank); a case started and
 never ended was running when the time-out stopped its session."""
