@@ -58,7 +58,7 @@ class Phases:
 
     @property
     def checking(self) -> float:
-        return self.seconds - self.totals["pool_start_s"] - self.totals["compile_s"]
+        return self.seconds - self.totals["pool_start_s"] - self.totals["compile_s"] - self.totals["gpu_ledger_wait_s"]
 
 
 def case_key(step: str, case: ET.Element) -> tuple[str, str, str, str, str]:

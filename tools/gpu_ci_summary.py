@@ -22,11 +22,12 @@ def phase_totals(phases: dict[str, Phases]) -> str:
     """One line: every step's phases summed (the CI's timing budget, read at a glance)."""
     totals = {phase: sum(p.totals[phase] for p in phases.values()) for phase in prop.PHASES}
     seconds = sum(p.seconds for p in phases.values())
-    checking = seconds - totals["pool_start_s"] - totals["compile_s"]
+    checking = seconds - totals["pool_start_s"] - totals["compile_s"] - totals["gpu_ledger_wait_s"]
     return (
         f"phases, summed over every case: cases {seconds:.1f} s = pool start {totals['pool_start_s']:.1f} "
         f"(CUDA init {totals['cuda_init_s']:.1f}, group init {totals['group_init_s']:.1f}) "
-        f"+ compile {totals['compile_s']:.1f} + checking {checking:.1f}; "
+        f"+ compile {totals['compile_s']:.1f} + GPU ledger wait {totals['gpu_ledger_wait_s']:.1f} "
+        f"+ checking {checking:.1f}; "
         f"pool starts tried again for GPU memory: {totals['out_of_memory_retries']:.0f}; "
         f"idle pools ended for GPU memory: {totals['idle_pools_ended']:.0f}"
     )
@@ -81,21 +82,22 @@ def render(
     lines += [
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "
-        "and group init (the slowest rank of each start); checking = case seconds - pool start - compile; "
+        "and group init (the slowest rank of each start); ledger wait: waiting for GPU memory declared by running "
+        "cases (dcpcheck/ranks/gpu_ledger.py); checking = case seconds - pool start - compile - ledger wait; "
         "OOM retries: pool starts that ran out of GPU memory and were tried again; pools ended: idle pools a "
-        "worker ended before a case, its GPU short of free memory.",
+        "worker ended before a case, its GPU short of free memory or a case waiting for it.",
         "",
-        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | checking s | OOM retries "
-        "| pools ended |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | cases | case s | pool start s | CUDA init s | group init s | compile s | ledger wait s "
+        "| checking s | OOM retries | pools ended |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for step in sorted(phases, key=lambda s: order.index(s) if s in order else 99):
         p = phases[step]
         t = p.totals
         lines.append(
             f"| {step} | {p.cases} | {p.seconds:.1f} | {t['pool_start_s']:.1f} | {t['cuda_init_s']:.1f} "
-            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {p.checking:.1f} | {t['out_of_memory_retries']:.0f} "
-            f"| {t['idle_pools_ended']:.0f} |"
+            f"| {t['group_init_s']:.1f} | {t['compile_s']:.1f} | {t['gpu_ledger_wait_s']:.1f} | {p.checking:.1f} "
+            f"| {t['out_of_memory_retries']:.0f} | {t['idle_pools_ended']:.0f} |"
         )
     lines += per_world_lines(rows, phases)
     # The longest modules bound a session's wall time (each runs on one xdist worker).
