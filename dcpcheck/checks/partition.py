@@ -84,15 +84,27 @@ def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes, views=False
     """``views``: the top-k and the block tables are handed over as column
     slices of wider buffers, as engines pass them; every check still holds,
     and the results equal those of contiguous inputs."""
-    W, r, device = ctx.world_size, ctx.rank, ctx.device
+    W = ctx.world_size
     layout = KvLayout(rho=rho, bs=bs, interleave=S, world_size=W)
     batch = build_step_batch(layout, top_k=K, seed=ctx.seed, num_decodes=num_decodes, table_slack=table_slack)
     case = (
         f"stage 1 case W={W} S={S} bs={bs} K={K} rho={rho} table_slack={table_slack} "
-        f"num_decodes={num_decodes} views={views} seed={ctx.seed}, on rank {r}"
+        f"num_decodes={num_decodes} views={views} seed={ctx.seed}, on rank {ctx.rank}"
     )
-    rows = TokenRows(case, batch.token_to_req, batch.row_labels)
     tables = [rank_block_table(batch, rank) for rank in range(W)]
+    result = check_partition_of_batch(ctx, batch, tables, case, views=views)
+    if table_slack < 0 and result["dropped"] == 0:
+        raise AssertionError(f"{case}: table_slack < 0 but no top-k id falls on a cut page")
+    return result
+
+
+def check_partition_of_batch(ctx, batch: StepBatch, tables: list[torch.Tensor], case: str, *, views=False) -> dict:
+    """The partition checks of ``batch`` with every rank's block table ``tables`` (the production
+    profile's stage-1 cases give vLLM's served rows here). -> counts of what the case covered."""
+    W, r, device = ctx.world_size, ctx.rank, ctx.device
+    layout = batch.layout
+    S, bs = layout.interleave, layout.bs
+    rows = TokenRows(case, batch.token_to_req, batch.row_labels)
     probe = WriteProbe(batch)
 
     # The implementation runs, then the collectives, then the checks: a rank
@@ -127,8 +139,6 @@ def check_partition(ctx, *, S, bs, K, rho, table_slack, num_decodes, views=False
 
     # The scenario still covers what it claims to.
     dropped = int((dcp1_owned & ~on_kept_page(batch.topk.long())).sum())
-    if table_slack < 0 and dropped == 0:
-        raise AssertionError(f"{case}: table_slack < 0 but no top-k id falls on a cut page")
     empty_shards = int(((reads.all_counts == 0) & (dcp1_owned.sum(1) > 0)).sum())
     if W > 1 and empty_shards == 0:
         raise AssertionError(f"{case}: no row leaves a rank without an owned state")

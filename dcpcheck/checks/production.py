@@ -21,8 +21,8 @@ from dcpcheck.oracle import attention as oracle
 from dcpcheck.oracle.kv_cache import stored_values
 from dcpcheck.oracle.prefill import dense_state_slots
 from dcpcheck.scenarios.attention import build_attention_inputs, comp_cache_for
-from dcpcheck.scenarios.batch import rank_block_table
-from dcpcheck.scenarios.production import BYTE_OFFSET_MARK, PROFILES, production_step
+from dcpcheck.scenarios.batch import StepBatch, rank_block_table
+from dcpcheck.scenarios.production import BYTE_OFFSET_MARK, PROFILES, ProductionProfile, production_step
 
 ORACLE_ROWS = 64  # more rows than this: the oracle checks every request's first and last row and every 8th
 
@@ -47,23 +47,10 @@ def oracle_rows(roles: tuple[str, ...], token_to_req: torch.Tensor) -> torch.Ten
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
-def check_production_step(
-    ctx,
-    *,
-    profile: str,
-    rho: int,
-    top_k: int,
-    local_heads: int,
-    prefill_gather: bool,
-    interleave_tokens: int = 1,
-):
-    """The layer's output for this rank's heads vs the float64 oracle, at ``profile`` (a name of
-    :data:`~dcpcheck.scenarios.production.PROFILES`). -> the worst comparison."""
+def production_inputs(ctx, profile: ProductionProfile, batch: StepBatch, num_heads: int):
+    """The attention inputs of ``batch`` as the implementation's layer reads them: rounded through the dtype it
+    declares it computes in, and as its caches' record gives them back. -> (inputs, the tolerance's dtype)."""
     declared = conventions_of(ctx.impl)
-    profile = PROFILES[profile]
-    layout = profile.kv_layout(rho, ctx.world_size, interleave_tokens)
-    batch = production_step(profile, layout, top_k=top_k, seed=ctx.seed)
-    num_heads = local_heads * ctx.world_size
     inputs = build_attention_inputs(
         batch,
         num_heads=num_heads,
@@ -85,12 +72,16 @@ def check_production_step(
             name: stored_in_pieces(getattr(inputs, name), declared.kv_cache_format) for name in ("states", "swa_cache")
         }
         inputs = replace(inputs, **stored)
-    heads = own_heads(ctx, num_heads)
-    table = rank_block_table(batch, ctx.rank)
-    comp_cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
+    return inputs, tolerance_dtype
+
+
+def production_layer(ctx, profile: ProductionProfile, layout, *, top_k: int, prefill_gather: bool):
+    """The implementation's layer built as served: ``max_model_len`` (vLLM's block-table rows), and, for an
+    implementation that takes them (its ``SERVED_OPTIONS``), the checkpoint's ``index_topk`` and a KV pool
+    whose pages sit past 2^31 bytes."""
     served = getattr(ctx.impl, "SERVED_OPTIONS", ())
     options = {"index_topk": top_k, "kv_pool_offset": BYTE_OFFSET_MARK}
-    layer = ctx.impl.build_attention(
+    return ctx.impl.build_attention(
         layout,
         ctx.group,
         backend="a2a",
@@ -98,15 +89,65 @@ def check_production_step(
         max_model_len=profile.max_model_len,
         **{name: value for name, value in options.items() if name in served},
     )
-    is_prefill_request = torch.zeros(batch.num_requests, dtype=torch.bool)
-    is_prefill_request[batch.token_to_req[[role == "prefill" for role in batch.row_roles]].long()] = True
+
+
+def is_prefill_request(batch: StepBatch) -> torch.Tensor:
+    """[R] bool: the requests with prefill rows in ``batch``."""
+    flags = torch.zeros(batch.num_requests, dtype=torch.bool)
+    flags[batch.token_to_req[[role == "prefill" for role in batch.row_roles]].long()] = True
+    return flags
+
+
+def assert_matches_oracle(out, batch: StepBatch, inputs, q, swa_slots, heads: slice, *, context, tolerance_dtype):
+    """The layer's output ``out`` for this rank's ``heads`` vs the float64 oracle over dense per-request states
+    (``inputs``' states and window rows), on :func:`oracle_rows`. ``q``: all heads of the step's rows."""
+    rows = oracle_rows(batch.row_roles, batch.token_to_req)
+    slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
+    comp = oracle.compact_candidates(inputs.states, slots[rows])
+    swa = oracle.compact_candidates(inputs.swa_cache, swa_slots[rows])
+    q_rows = q[rows.to(q.device)][:, heads]
+    want, _ = oracle.sparse_attention(q_rows, *comp, *swa, inputs.sink[heads], scale=inputs.scale)
+    labels = [f"{role}, request {req}, position {p}" for role, req, p in zip(
+        batch.row_roles, batch.token_to_req.tolist(), batch.positions.tolist())]  # fmt: skip
+    return assert_close(
+        out[rows.to(out.device)].cpu(),
+        want,
+        what="production step vs float64 oracle",
+        context=context,
+        row_labels=[labels[t] for t in rows.tolist()],
+        offsets=(0, heads.start, 0),
+        dtype=tolerance_dtype,
+    )
+
+
+def check_production_step(
+    ctx,
+    *,
+    profile: str,
+    rho: int,
+    top_k: int,
+    local_heads: int,
+    prefill_gather: bool,
+    interleave_tokens: int = 1,
+):
+    """The layer's output for this rank's heads vs the float64 oracle, at ``profile`` (a name of
+    :data:`~dcpcheck.scenarios.production.PROFILES`). -> the worst comparison."""
+    profile = PROFILES[profile]
+    layout = profile.kv_layout(rho, ctx.world_size, interleave_tokens)
+    batch = production_step(profile, layout, top_k=top_k, seed=ctx.seed)
+    num_heads = local_heads * ctx.world_size
+    inputs, tolerance_dtype = production_inputs(ctx, profile, batch, num_heads)
+    heads = own_heads(ctx, num_heads)
+    table = rank_block_table(batch, ctx.rank)
+    comp_cache = comp_cache_for(batch, inputs, table, rank=ctx.rank, world_size=ctx.world_size)
+    layer = production_layer(ctx, profile, layout, top_k=top_k, prefill_gather=prefill_gather)
     device = ctx.device
     plan = layer.plan_step(
         seq_lens=batch.seq_lens.to(device),
         token_to_req=batch.token_to_req.to(device),
         positions=batch.positions.to(device),
         is_valid_token=batch.is_valid_token.to(device),
-        is_prefill_request=is_prefill_request.to(device),
+        is_prefill_request=is_prefill_request(batch).to(device),
         swa_slots=inputs.swa_slots.to(device),
         block_table=table.to(device),
     )
@@ -119,14 +160,16 @@ def check_production_step(
         topk=batch.topk.to(device),
     )
     out = checked_layer_output(out, inputs.q[:, heads], device)
+    context = production_context(ctx, profile, rho=rho, top_k=top_k, num_heads=num_heads, prefill_gather=prefill_gather)
+    stats = assert_matches_oracle(
+        out, batch, inputs, inputs.q, inputs.swa_slots, heads, context=context, tolerance_dtype=tolerance_dtype
+    )
+    return {"worst_ratio": stats.worst_ratio, "max_abs_err": stats.max_abs_err}
 
-    rows = oracle_rows(batch.row_roles, batch.token_to_req)
-    slots = dense_state_slots(batch.topk, batch.token_to_req, batch.is_valid_token, inputs.state_offsets)
-    comp = oracle.compact_candidates(inputs.states, slots[rows])
-    swa = oracle.compact_candidates(inputs.swa_cache, inputs.swa_slots[rows])
-    q_rows = inputs.q[rows.to(inputs.q.device)][:, heads]
-    want, _ = oracle.sparse_attention(q_rows, *comp, *swa, inputs.sink[heads], scale=inputs.scale)
-    context = {
+
+def production_context(ctx, profile: ProductionProfile, *, rho, top_k, num_heads, prefill_gather) -> dict:
+    """A production case in a failure message's words."""
+    return {
         "stage": "production",
         "profile": profile.name,
         "W": ctx.world_size,
@@ -138,15 +181,3 @@ def check_production_step(
         "prefill": "gather" if prefill_gather else "stage 3 sub-chunks",
         "max_model_len": profile.max_model_len,
     }
-    labels = [f"{role}, request {req}, position {p}" for role, req, p in zip(
-        batch.row_roles, batch.token_to_req.tolist(), batch.positions.tolist())]  # fmt: skip
-    stats = assert_close(
-        out[rows.to(out.device)].cpu(),
-        want,
-        what="production step vs float64 oracle",
-        context=context,
-        row_labels=[labels[t] for t in rows.tolist()],
-        offsets=(0, heads.start, 0),
-        dtype=tolerance_dtype,
-    )
-    return {"worst_ratio": stats.worst_ratio, "max_abs_err": stats.max_abs_err}

@@ -104,11 +104,25 @@ def state_of_slot(
     if table.shape[1] == 0:
         return torch.full_like(slot, -1)
     physical_page = torch.where(slot >= 0, slot // bs, -1)
-    matches = table[req] == physical_page.unsqueeze(-1)  # [..., max_blocks]
-    found = matches.any(dim=-1) & (slot >= 0)
-    logical_page = matches.to(torch.int64).argmax(dim=-1)
+    logical_page, found = _column_of_page(table, req, physical_page)
+    found &= slot >= 0
     state = global_state(logical_page * bs + slot % bs, r, S, W)
     return torch.where(found, state, torch.full_like(state, -1))
+
+
+def _column_of_page(table: torch.Tensor, req: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first column of row ``req`` of ``table`` holding ``page``, and whether one does: a sorted search
+    of (row, page) keys, not a ``[..., max_blocks]`` comparison (vLLM's rows at a served ``max_model_len``
+    are thousands of pages wide: that comparison was gigabytes)."""
+    rows, max_blocks = table.shape
+    low, high = int(table.min()), int(table.max())
+    span = high - low + 1
+    keys = (torch.arange(rows).unsqueeze(1) * span + (table - low)).flatten()
+    sorted_keys, order = torch.sort(keys, stable=True)  # stable: the first of equal pages in a row comes first
+    in_range = (page >= low) & (page <= high) & (req >= 0) & (req < rows)
+    query = torch.where(in_range, req * span + (page - low), 0)
+    at = torch.searchsorted(sorted_keys, query).clamp(max=keys.numel() - 1)
+    return order[at] % max_blocks, in_range & (sorted_keys[at] == query)
 
 
 def write_slot_mapping(

@@ -171,6 +171,28 @@ def production_selected(device_type: str) -> bool:
     return device_type == "cuda" or choice == PRODUCTION_CHOICE
 
 
+def served_table_width(profile: ProductionProfile, world_size: int) -> int:
+    """A rank's compressed block-table row as vLLM sizes it at ``max_model_len``: ``AttentionSpec.max_num_blocks_per_req``
+    (``v1/kv_cache_interface.py``: ``cdiv(max_len, block_size * dcp_size)``, the cache DCP-sharded), which
+    ``get_block_table_width`` (``v1/worker/block_table.py``) leaves as is for a 128-token page (its 128-token
+    alignment is one page). The same as ``dsv41.server.metadata.block_table_width`` of the tree's spec."""
+    virtual_page = profile.tokens_per_page * world_size
+    return -(-profile.max_model_len // virtual_page)
+
+
+def served_block_table(table: torch.Tensor, width: int, *, seed: int) -> torch.Tensor:
+    """``table`` (a rank's rows, as wide as its longest request needs) widened to ``width`` columns, as vLLM's
+    row is. The spare columns hold pages no row of the step uses (``v1/worker/block_table.py``
+    ``BlockTable.add_row`` writes only a request's own pages), so a read past them gets a real-looking
+    slot, neither a crash nor the null page."""
+    rows, used = table.shape
+    if used > width:
+        raise ValueError(f"a request needs {used} pages of a rank, past vLLM's row of {width}: vLLM refuses it")
+    first_free = int(table.max()) + 1 if table.numel() else 0
+    spare = torch.randperm(rows * (width - used), generator=torch.Generator().manual_seed(seed)) + first_free
+    return torch.cat([table, spare.view(rows, width - used).to(table.dtype)], dim=1)
+
+
 def production_step(profile: ProductionProfile, layout: KvLayout, *, top_k: int, seed: int) -> StepBatch:
     """One served step at ``profile``: decode requests first (vLLM's order), then a prefill chunk.
 
@@ -199,3 +221,40 @@ def production_step(profile: ProductionProfile, layout: KvLayout, *, top_k: int,
     builder.add_rows(chunked, [patterns[i % 2] for i in range(profile.prefill_chunk)], role="prefill")
     builder.add_padding_row()
     return builder.build(table_slack=0, table_seed=seed)  # the longest row fills vLLM's row to its last column
+
+
+def production_trace(profile: ProductionProfile, layout: KvLayout, *, top_k: int, seed: int) -> tuple[StepBatch, ...]:
+    """Two served steps of the same requests in the same order (decodes first, as vLLM orders them), the
+    second reading states and window rows the first wrote:
+
+    1. the longest request's MTP verification (1 + spec tokens rows) ending that many tokens short of
+       ``max_model_len``, a decode past 2^17, a chunked prefill's chunk ending past 2^17, a padding row;
+    2. the longest's next verification (ending at ``max_model_len``), the decode's next row, and the
+       chunked request's first verification after its chunk, a padding row.
+
+    Step 2's rows read the newest states (and, at W > 1, one rank's ids): those step 1 wrote among them.
+    Each step's rows hold the indexer's full rows as :func:`production_step`'s do."""
+    rho = layout.rho
+    generator = torch.Generator().manual_seed(seed)
+    mtp = 1 + profile.speculative_tokens
+    far = POSITION_MARK + 1 + int(torch.randint(1024, (1,), generator=generator))
+    lengths = (  # each request's tokens after steps 1 and 2
+        (profile.max_model_len - mtp, profile.max_model_len),
+        (far + 3 * rho, far + 3 * rho + 1),
+        (far, far + mtp),
+    )
+    steps = []
+    for step in (0, 1):
+        builder = _BatchBuilder(layout, top_k, generator)
+        longest, decode, chunked = (builder.add_request(tokens=length[step]) for length in lengths)
+        builder.add_rows(longest, ["recent"] * (mtp - 1) + ["full"], role="spec-decode")
+        builder.add_rows(decode, ["recent" if step else "full"], role="decode")
+        if step == 0:
+            patterns = ("full", "recent")
+            builder.add_rows(chunked, [patterns[i % 2] for i in range(profile.prefill_chunk)], role="prefill")
+        else:
+            mixed = ("recent", "one-rank" if layout.world_size > 1 else "full")
+            builder.add_rows(chunked, [mixed[i % 2] for i in range(mtp)], role="spec-decode")
+        builder.add_padding_row()
+        steps.append(builder.build(table_slack=0, table_seed=seed))
+    return tuple(steps)
