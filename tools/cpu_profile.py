@@ -67,7 +67,7 @@ PROCESS_KINDS = (
     ("pool zygote and ranks", "dcpcheck.ranks.worker"),
     ("pool zygote and ranks", "dcpcheck.ranks.zygote_server"),  # zygotes forked from it show its command line
     ("xdist workers", "exec(eval(sys.stdin.readline()))"),  # execnet's bootstrap
-    ("inner sessions of self-tests (session probe)", "tests.selftest.session_probe"),
+    ("inner sessions of self-tests (session probe)", "tests.selftest.support.session_probe"),
     ("torchrun", "torchrun"),
     ("pytest (the session, inner sessions)", "pytest"),
     ("other", ""),

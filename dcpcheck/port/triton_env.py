@@ -16,7 +16,7 @@ the interpreter hands a kernel its scalars as 1-element arrays, and Triton
 3.6's interpreter turns one into a ``range()`` bound with ``int()``, which
 NumPy 2.4 refuses (``only 0-dimensional arrays can be converted``); a
 ``while`` test goes through ``bool()``, which every Triton admitted here
-accepts. ``tests/selftest/test_interpreter_kernels.py`` runs each kernel
+accepts. ``tests/selftest/interpreter/test_interpreter_kernels.py`` runs each kernel
 under the interpreter.
 """
 

@@ -3,7 +3,7 @@ combine, built alike on every rank from a generator. ``synthetic_partials``
 (random rows plus one row per empty-row flavour and LSE gap) feeds the
 stage-3 combine checks; ``cancelling_partials`` (16-bit weighted terms that
 cancel) the cancelling-terms case; the self-test of vLLM's 16-bit sum
-(``tests/selftest/test_combine_16bit_sum.py``) checks both."""
+(``tests/selftest/checks/test_combine_16bit_sum.py``) checks both."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def cancelling_partials(gen: torch.Generator, world: int, num_heads: int, dtype:
     2^-5 below 4): it returns exactly 0 whatever the order of its sum, 1.66
     (bf16) and 1.70 (fp16) times the "out" tolerance away, on every element.
     This is how vLLM's ``ag_rs`` sums (docs/vllm.md, known defect 5);
-    ``tests/selftest/test_combine_16bit_sum.py`` checks the arithmetic at three
+    ``tests/selftest/checks/test_combine_16bit_sum.py`` checks the arithmetic at three
     seeds.
     """
     rows = (CANCELLING_TOKENS, num_heads)

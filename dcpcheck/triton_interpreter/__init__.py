@@ -32,7 +32,7 @@ from dcpcheck.triton_interpreter.language_shortcut import Shortcut
 from dcpcheck.triton_interpreter.vectorised_launches import VECTORISED_KERNELS, Vectoriser
 
 # The Triton releases whose interpreter the patches were read against and
-# tests/selftest/test_interpreter_patching.py passed under.
+# tests/selftest/interpreter/test_interpreter_patching.py passed under.
 PINNED_VERSIONS = ("3.9.0",)
 AS_SHIPPED_ENV = "DCPCHECK_TRITON_AS_SHIPPED"
 PATCHED = "triton.language patched once per process, np dtypes and block types kept per type"

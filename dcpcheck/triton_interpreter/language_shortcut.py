@@ -11,7 +11,7 @@ builder, Python stand-ins for ``range``, ``reduce`` and the like.
 both ``tl`` and ``tl.core`` at the process's first launch and keeps that patch
 for the life of the process: later launches and nested calls patch nothing and
 restore nothing. What a kernel computes does not change:
-``tests/selftest/test_interpreter_patching.py`` compares every port kernel's
+``tests/selftest/interpreter/test_interpreter_patching.py`` compares every port kernel's
 outputs with those of the interpreter as shipped (:meth:`Shortcut.shipped`).
 
 After the first launch ``triton.language`` stays patched outside launches too.

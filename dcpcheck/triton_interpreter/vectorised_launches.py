@@ -32,7 +32,7 @@ Guards, so that what a kernel computes does not change:
   specialisation, runs as shipped.
 
 Installed with the language shortcut (:mod:`.language_shortcut`) by
-:func:`dcpcheck.triton_interpreter.install`; ``tests/selftest/test_interpreter_grids.py``
+:func:`dcpcheck.triton_interpreter.install`; ``tests/selftest/interpreter/test_interpreter_grids.py``
 checks both guards and, where vLLM imports, each listed kernel against the
 interpreter as shipped.
 """

@@ -36,7 +36,7 @@ takes the cache 3-D ``[pages, page, 584]`` or NHD ``[pages, page, 1, 584]``.
 Scaled down to the suite's head dims (64, 72; 512 on the GPU profile): the rope
 part is the last D/8 dims, the nope part 7 tiles of D/8 dims, so a token has
 ``7D/8 + 2 * D/8`` data bytes, 8 scale bytes, and pages align to the data
-bytes. At D = 512 this is vLLM's record byte for byte (``tests/selftest/test_fp8_ds_mla_cache.py``
+bytes. At D = 512 this is vLLM's record byte for byte (``tests/selftest/dsv41/test_fp8_ds_mla_cache.py``
 checks it against vLLM's own Triton writers).
 """
 
