@@ -84,7 +84,22 @@ def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_pat
     args.workers = 4
     runs, _, _, left_out = gpu_ci.plan(args, tmp_path, gpus=1)
     waves = {run.name: run.wave for run in runs}
-    later, last = (0, 0) if one_wave else (1, 2)
-    expected = {"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "vllm": later, "dsv41": later, "production": later}
-    assert waves == {**expected, "production-w8": last}
+    later = 0 if one_wave else 1
+    assert waves == {
+        **{"pool": 0, "torchrun": 0, "torchrun-gpu": 0},
+        **{name: later for name in ("vllm", "dsv41", "production", "production-port")},
+    }
     assert left_out is None
+
+
+def test_a_cases_wait_for_the_gpu_ledger_is_its_own_column_not_checking(tmp_path):
+    xml = tmp_path / "pool.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="test_known_defects" name="test_fine" time="10.0"><properties>'
+        '<property name="dcp_pool_start_s" value="2.0"/><property name="dcp_gpu_ledger_wait_s" value="3.5"/>'
+        "</properties></testcase></testsuite></testsuites>"
+    )
+    rows, phases, xfails, xpasses = gpu_ci.summarize({xml: {"stage1": ["test_known_defects.py"]}})
+    table = gpu_ci.render(rows, phases, [], ["stage1"], xfails, xpasses).splitlines()
+    header = next(i for i, line in enumerate(table) if "| ledger wait s | checking s |" in line)
+    assert table[header + 2].startswith("| stage1 | 1 | 10.0 | 2.0 | 0.0 | 0.0 | 0.0 | 3.5 | 4.5 |")
