@@ -46,15 +46,15 @@ POOL_STEPS = (
 # (dcpcheck/plugin/file_durations.py); without them (a clean clone), these,
 # the longest on one H200, first.
 LONGEST_FIRST = (
-    "tests/selftest/test_rank_failures.py",
-    "tests/selftest/test_no_orphans.py",
-    "tests/selftest/test_session_end.py",
+    "tests/selftest/harness/test_rank_failures.py",
+    "tests/selftest/harness/test_no_orphans.py",
+    "tests/selftest/harness/test_session_end.py",
     "tests/gpu/test_stage9_realistic.py",
     "tests/e2e/test_serving_trace.py",
-    "tests/selftest/test_session_setup.py",
+    "tests/selftest/harness/test_session_setup.py",
     "tests/gpu/test_stage3_realistic.py",
     "tests/gpu/test_stage1_realistic.py",
-    "tests/selftest/test_torchrun_mode.py",
+    "tests/selftest/harness/test_torchrun_mode.py",
     "tests/stage3_combine/test_combine.py",
     "tests/stage1_index/test_partition.py",
 )

@@ -5,6 +5,7 @@ without a table they keep their cold-start order
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 
@@ -34,6 +35,18 @@ def test_gpu_ci_lists_its_files_by_the_measured_durations_else_its_own_order():
     gate, orphans, failures = "tests/e2e/test_gate.py", *gpu_ci.LONGEST_FIRST[1::-1]
     assert gpu_ci.longest_first([gate, orphans, failures], {}) == [failures, orphans, gate]
     assert gpu_ci.longest_first([gate, orphans, failures], {gate: 500.0}) == [gate, failures, orphans]
+
+
+def test_the_cold_start_lists_name_test_files_that_exist():
+    # A moved file left in a list is silently scheduled last: its session's longest file would start late.
+    conftest = ast.parse((REPO_ROOT / "tests" / "conftest.py").read_text())
+    (readme_list,) = [
+        ast.literal_eval(node.value)
+        for node in conftest.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LONGEST_FILES" for t in node.targets)
+    ]
+    missing = [path for path in (*readme_list, *gpu_ci.LONGEST_FIRST) if not (REPO_ROOT / path).is_file()]
+    assert not missing, f"cold-start lists name files that do not exist: {missing}"
 
 
 def test_a_missing_or_unreadable_table_is_none(tmp_path):
