@@ -77,12 +77,12 @@ VLLM_SESSIONS = (
     ),
 )
 # The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the real port
-# (dsv41, every W) and the embedded port (port, W = 2: the users' DCP2), in wave 1 beside the vllm and dsv41
-# sessions. Their cases are few and large (up to 21 GiB a rank): one worker each, and the GPU ledger
-# (dcpcheck/ranks/gpu_ledger.py) runs a case only where its declared memory fits beside the others' (two side by
-# side ran an H100 out of memory). W = 8 goes first (tests/production/test_production.py), while the other sessions'
-# pools are few (beside them it ran an H100 out of memory). The sessions' own --world-sizes win over the run's.
-# vllm has no layer to run them.
+# (dsv41, every W, in wave 1 beside the vllm and dsv41 sessions) and the embedded port (port, W = 2: the users'
+# DCP2, in wave 0 beside the pool session, whose long cases are lighter: wave 1 is the longer). Their cases are
+# few and large (up to 23 GiB a rank): one worker each, and the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs a
+# case only where its declared memory fits beside the running cases' (two side by side ran an H100 out of
+# memory). W = 8 goes first (tests/production/test_production.py), while the other sessions' pools are few
+# (beside them it ran an H100 out of memory). The sessions' own --world-sizes win over the run's.
 PRODUCTION_ARGS = ("--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
 PRODUCTION_SESSIONS = tuple(
     Session(
@@ -90,9 +90,9 @@ PRODUCTION_SESSIONS = tuple(
         (Step(name, ("tests/production",)),),
         extra_args=(*PRODUCTION_ARGS, "--dcp-impl", impl, "--world-sizes", world_sizes),
         workers_share=0.0,  # no xdist: one worker
-        wave=1,
+        wave=wave,
     )
-    for name, impl, world_sizes in (("production", "dsv41", "1,2,4,8"), ("production-port", "port", "2"))
+    for name, impl, world_sizes, wave in (("production", "dsv41", "1,2,4,8", 1), ("production-port", "port", "2", 0))
 )
 # The sessions that run only where vLLM imports.
 NEEDS_VLLM = (*VLLM_SESSIONS, *(session for session in PRODUCTION_SESSIONS if "dsv41" in session.extra_args))

@@ -31,9 +31,10 @@ pytestmark = pytest.mark.needs("build_attention")
 
 # An estimate, to be measured on an H100 (gpu_ci's production table): test_production.py's measured peak of one
 # step (16 GiB a rank at W = 1, 21 at W = 2, 6.3 at W = 4) plus the trace's second copy of the window buffer
-# and a second step's queries.
+# and a second step's queries. W 4-8 as test_production.py's: 8 ranks of (8 + 1 GiB of context) would be over
+# 85 % of an H100 and skip there.
 TRACE = pytest.mark.gpu_memory(23)
-TRACE_WIDE = pytest.mark.gpu_memory(8)
+TRACE_WIDE = pytest.mark.gpu_memory(7)
 GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
 # Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
