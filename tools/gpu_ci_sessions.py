@@ -33,8 +33,13 @@ class Session:
     wave: int = 0  # sessions of one wave run at once, the waves one after another
 
 
+# The self-tests of what runs on the device: the harness (ranks, pools, GPU placement, torchrun), the suite's
+# checks, the dsv41 adapter and kernels, the Triton interpreter as this host's Triton runs it. Not
+# tests/selftest/tools: the host tools' own self-tests (the tree builder, the carry, diff coverage, gpu_ci's
+# summary) touch no device and run in the CPU CI (.ci/run).
+SELFTEST_ON_DEVICE = tuple(f"tests/selftest/{kind}" for kind in ("harness", "checks", "dsv41", "interpreter"))
 POOL_STEPS = (
-    Step("harness", ("tests/selftest",)),
+    Step("harness", SELFTEST_ON_DEVICE),
     *(Step(f"stage{stage}", (folder,)) for stage, folder in STAGE_TEST_DIRS.items()),
     Step("e2e", (E2E_TEST_DIR,)),
     Step("realistic", ("tests/gpu/test_*.py",)),
@@ -77,9 +82,10 @@ VLLM_SESSIONS = (
     ),
 )
 # The production profile (tests/production: DSV4.1's served shapes, lengths and KV pools) against the real port
-# (dsv41, every W, in wave 1 beside the vllm and dsv41 sessions) and the embedded port (port, W = 2: the users'
+# (dsv41, every W, in wave 1 beside the vllm and dsv41 sessions; its stage-1 cases, light, in a session of their
+# own beside the heavy ones) and the embedded port (port, W = 2: the users'
 # DCP2, in wave 0 beside the pool session, whose long cases are lighter: wave 1 is the longer). Their cases are
-# few and large (up to 23 GiB a rank): one worker each, and the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs a
+# few and large (up to 27 GiB a rank): one worker each, and the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs a
 # case only where its declared memory fits beside the running cases' (two side by side ran an H100 out of
 # memory). W = 8 goes first (tests/production/test_production.py), while the other sessions' pools are few
 # (beside them it ran an H100 out of memory). The sessions' own --world-sizes win over the run's.
@@ -87,12 +93,22 @@ PRODUCTION_ARGS = ("--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, 
 PRODUCTION_SESSIONS = tuple(
     Session(
         name,
-        (Step(name, ("tests/production",)),),
+        (Step(name, paths),),
         extra_args=(*PRODUCTION_ARGS, "--dcp-impl", impl, "--world-sizes", world_sizes),
         workers_share=0.0,  # no xdist: one worker
         wave=wave,
     )
-    for name, impl, world_sizes, wave in (("production", "dsv41", "1,2,4,8", 1), ("production-port", "port", "2", 0))
+    for name, impl, world_sizes, wave, paths in (
+        (
+            "production",
+            "dsv41",
+            "1,2,4,8",
+            1,
+            ("tests/production/test_production.py", "tests/production/test_production_trace.py"),
+        ),
+        ("production-index", "dsv41", "1,2,4,8", 1, ("tests/production/test_production_index.py",)),
+        ("production-port", "port", "2", 0, ("tests/production",)),
+    )
 )
 # The sessions that run only where vLLM imports.
 NEEDS_VLLM = (*VLLM_SESSIONS, *(session for session in PRODUCTION_SESSIONS if "dsv41" in session.extra_args))

@@ -8,7 +8,7 @@ import pytest
 from dcpcheck.impls.protocol import SCENARIO_PROPERTIES
 from dcpcheck.plugin import junit_properties
 from dcpcheck.plugin.session import DcpSession, dcp_session
-from dcpcheck.ranks.gpu_ledger import GPU_MEMORY_USABLE
+from dcpcheck.ranks.gpu_ledger import CUDA_CONTEXT_GIB, GPU_MEMORY_USABLE
 from dcpcheck.stages import skip_reason as stage_skip_reason
 
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)  # what a multi-rank test supports unless it says otherwise
@@ -70,11 +70,6 @@ def _skip_reason(item, session: DcpSession) -> str | None:
         world_size = callspec.params["dcp"]
         return _world_size_skip(session, world_size) or _placement_skip(item, session, world_size)
     return None
-
-
-# What each rank's CUDA context takes besides its declared need (0.8 GiB measured on an H200); what a GPU may
-# hold of the declared needs is the GPU ledger's GPU_MEMORY_USABLE.
-CUDA_CONTEXT_GIB = 1.0
 
 
 def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:

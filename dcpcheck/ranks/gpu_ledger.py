@@ -8,7 +8,10 @@ one H100 two realistic stage-9 cases ran out of memory mid-case that way. So
 a marked case *holds* its GiB here for as long as it runs, and a case whose
 GiB do not fit beside what others hold waits for them, first come first
 served, up to its wait limit; past that it runs anyway (the ledger counts
-what cases declared, not what they use) and says how long it waited.
+what cases declared, not what they use) and says how long it waited. It
+also waits, up to FREE_WAIT_S, until the GPU has its GiB free (NVML's count:
+idle pools' CUDA contexts and unmarked cases of other sessions hold memory
+no one declared), which the others' idle pools ending makes true.
 
 One JSON file per GPU (NVML's UUID names it) in the temporary directory,
 locked with ``flock`` for each read-modify-write, holds the entries
@@ -26,7 +29,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,12 @@ LEDGER_DIR_ENV = "DCPCHECK_GPU_LEDGER_DIR"  # where the ledgers live (default: t
 # What share of a GPU the declared needs may add up to: the rest is for what no case declares
 # (CUDA contexts of idle pools, unmarked cases, other programs). plugin/markers.py skips a case above it.
 GPU_MEMORY_USABLE = 0.85
+# What each rank's CUDA context takes besides its declared need (0.8 GiB measured on an H200).
+CUDA_CONTEXT_GIB = 1.0
 POLL_S = 0.2
+# How long a case that fits the ledger waits for the GPU's free memory to reach its need: the other processes end
+# their idle pools before their next case (seconds apart); memory that does not come free by then is not theirs.
+FREE_WAIT_S = 60.0
 GIB = 2**30
 
 
@@ -62,9 +70,10 @@ def _alive(pid: int) -> bool:
 class GpuLedger:
     """The ledger of one GPU: ``capacity_gib`` is what the declared needs may add up to."""
 
-    def __init__(self, path: Path, capacity_gib: float):
+    def __init__(self, path: Path, capacity_gib: float, free_gib: Callable[[], float | None] = lambda: None):
         self.path = path
         self.capacity_gib = capacity_gib
+        self.free_gib = free_gib  # the GPU's free GiB now (None: unknown)
 
     @contextmanager
     def _locked(self) -> Iterator[dict]:
@@ -89,9 +98,11 @@ class GpuLedger:
             os.close(fd)  # releases the lock
 
     @contextmanager
-    def hold(self, gib: float, case: str, wait_limit: float) -> Iterator[float]:
+    def hold(self, gib: float, case: str, wait_limit: float, free_needed: float | None = None) -> Iterator[float]:
         """Hold ``gib`` for the block, after waiting (at most ``wait_limit`` s) until it fits beside what others
-        hold and every earlier waiter went first: -> the seconds waited."""
+        hold, every earlier waiter went first and the GPU has ``free_needed`` GiB free (default ``gib``; at most
+        FREE_WAIT_S for that): -> the seconds waited."""
+        free_needed = gib if free_needed is None else free_needed
         me = Entry(os.getpid(), uuid.uuid4().hex, gib, case)
         started = time.monotonic()
         with self._locked() as entries:
@@ -103,8 +114,10 @@ class GpuLedger:
                     first = entries["waiting"] and entries["waiting"][0].token == me.token
                     held = sum(e.gib for e in entries["held"])
                     fits = not entries["held"] or held + gib <= self.capacity_gib
-                    late = time.monotonic() - started >= wait_limit
-                    if (first and fits) or late:
+                    waited = time.monotonic() - started
+                    free = self.free_gib() if fits and first else None
+                    free_enough = free is None or free >= free_needed or waited >= FREE_WAIT_S
+                    if (first and fits and free_enough) or waited >= wait_limit:
                         entries["waiting"] = waiting
                         entries["held"].append(me)
                         break
@@ -127,4 +140,10 @@ def host_ledger(cuda_index: int) -> GpuLedger | None:
     if key is None or memory is None:
         return None
     directory = Path(os.environ.get(LEDGER_DIR_ENV) or tempfile.gettempdir())
-    return GpuLedger(directory / f"dcpcheck-gpu-ledger-{key}.json", GPU_MEMORY_USABLE * memory.total_bytes / GIB)
+
+    def free_gib() -> float | None:
+        now = gpu_memory(cuda_index)
+        return None if now is None else now.free_bytes / GIB
+
+    capacity = GPU_MEMORY_USABLE * memory.total_bytes / GIB
+    return GpuLedger(directory / f"dcpcheck-gpu-ledger-{key}.json", capacity, free_gib)

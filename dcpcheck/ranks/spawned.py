@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 from dcpcheck.ranks.gpu_free import GpuMemory, gpu_memory
-from dcpcheck.ranks.gpu_ledger import GpuLedger, host_ledger
+from dcpcheck.ranks.gpu_ledger import CUDA_CONTEXT_GIB, GpuLedger, host_ledger
 from dcpcheck.ranks.launcher import COLLECTIVE_TIMEOUT_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.placement import Placement
 from dcpcheck.ranks.pool import PoolOutOfMemory, RankGoneBeforeCase, RankPool
@@ -161,11 +161,19 @@ class SpawnedRanks:
         placement = self.placement(case.world_size)
         if placement.device_type != "cuda" or not case.gpu_gib_needed:
             return 0.0
+        # A live pool of the case's size already holds its ranks' contexts, which the need counts.
+        pool = self.pools.get(case.world_size)
+        try:
+            alive = pool is not None and pool.alive
+        except ZygoteServerNotAnswering:
+            alive = False  # _live_pool meets it again, and says so
+        held_already = CUDA_CONTEXT_GIB * placement.ranks_per_gpu if alive else 0.0
         waited = 0.0
         for index in range(placement.gpus_used):
             ledger = self.gpu_ledger(index)
             if ledger is not None:
-                waited += stack.enter_context(ledger.hold(case.gpu_gib_needed, case.nodeid, case.timeout))
+                hold = ledger.hold(case.gpu_gib_needed, case.nodeid, case.timeout, case.gpu_gib_needed - held_already)
+                waited += stack.enter_context(hold)
         return waited
 
     def _end_idle_pools(self, keep: int | None) -> list[int]:
@@ -176,16 +184,16 @@ class SpawnedRanks:
         return ended
 
     def run(self, fn, case: Case) -> CaseResult:
+        ended = self._end_idle_pools_if_gpu_short(case)  # first: the ledger may wait for this process's memory too
         with ExitStack() as held:
             waited = self._hold_gpu_memory(case, held)
-            result = self._run(fn, case)
+            result = self._run(fn, case, ended)
         if waited >= 0.1:
             result.pool_startup["gpu_ledger_wait_s"] = round(waited, 1)
         return result
 
-    def _run(self, fn, case: Case) -> CaseResult:
+    def _run(self, fn, case: Case, ended: int) -> CaseResult:
         world_size = case.world_size
-        ended = self._end_idle_pools_if_gpu_short(case)
         for attempt in (1, 2):
             pool, started = self._live_pool(world_size)
             try:

@@ -31,9 +31,10 @@ pytestmark = pytest.mark.needs("build_attention")
 
 # One rank's GiB at its peak, as measured on an H100 (gpu_ci's production table, the allocator's reserved peak
 # of a case's ranks over their count): 16 at W = 1 and 21 at W = 2 (a rank holds 32 heads of a 300K-token request
-# at D = 512, its 2 GiB KV pool and its cache), 6.3 at W = 4; W = 8 as W = 4. Two such cases side by side ran the
-# GPU out of memory, so gpu_ci runs them one at a time.
-SERVED = pytest.mark.gpu_memory(21)
+# at D = 512, its 2 GiB KV pool and its cache), 27 at W = 2 at ratio 2 (a rank of the stage-3 path ran out of
+# memory there holding 27.3 GiB), 6.3 at W = 4; W = 8 as W = 4. Two such cases side by side ran the GPU out of
+# memory: the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs them one at a time.
+SERVED = pytest.mark.gpu_memory(27)
 SERVED_WIDE = pytest.mark.gpu_memory(7)
 GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")

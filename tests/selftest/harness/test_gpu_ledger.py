@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import replace
 
+from dcpcheck.ranks import gpu_ledger
 from dcpcheck.ranks.gpu_free import GpuMemory
 from dcpcheck.ranks.gpu_ledger import GpuLedger
 from dcpcheck.ranks.launcher import Case, CaseResult
@@ -153,3 +154,29 @@ def test_a_waiting_case_elsewhere_ends_this_processs_idle_pools(tmp_path):
     holder.join()
     waiter.join()
     assert _spawned(ledger, {2: _Pool(ledger, []), 8: _Pool(ledger, [])})._end_idle_pools_if_gpu_short(CASE) == 0
+
+
+def test_a_case_that_fits_the_ledger_waits_for_the_gpus_free_memory_a_bounded_time(tmp_path, monkeypatch):
+    # Idle pools' contexts and other sessions' unmarked cases hold memory no one declared: wait while the others
+    # end their idle pools (someone waits), but not past FREE_WAIT_S.
+    monkeypatch.setattr(gpu_ledger, "FREE_WAIT_S", 0.6)
+    free = {"gib": 10.0}
+    ledger = GpuLedger(tmp_path / "ledger.json", 68.0, lambda: free["gib"])
+    seen_waiting = []
+
+    def others_end_their_idle_pools():
+        time.sleep(0.3)
+        seen_waiting.append(ledger.someone_waits())
+        free["gib"] = 50.0
+
+    helper = threading.Thread(target=others_end_their_idle_pools)
+    helper.start()
+    with ledger.hold(44, "needs 44", wait_limit=30.0) as waited:
+        assert 0.3 <= waited < 0.6
+    helper.join()
+    assert seen_waiting == [True]
+    free["gib"] = 10.0
+    with ledger.hold(44, "never freed", wait_limit=30.0) as waited:
+        assert 0.6 <= waited < 2.0
+    with ledger.hold(44, "its pool's contexts counted", wait_limit=30.0, free_needed=8.0) as waited:
+        assert waited < 0.3

@@ -87,7 +87,7 @@ def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_pat
     later = 0 if one_wave else 1
     assert waves == {
         **{"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "production-port": 0},
-        **{name: later for name in ("vllm", "dsv41", "production")},
+        **{name: later for name in ("vllm", "dsv41", "production", "production-index")},
     }
     assert left_out is None
 
