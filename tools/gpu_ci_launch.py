@@ -72,11 +72,32 @@ class SessionRun:
         return Path(self.env[PROGRESS_ENV])
 
 
+# After the time-out's SIGINT, this long for pytest to stop and write its JUnit XML, then SIGKILL.
+STOP_GRACE_S = 60.0
+
+
+def _kill(run: SessionRun, proc: subprocess.Popen, lock: threading.Lock) -> None:
+    if proc.poll() is None:
+        with lock:
+            print(f"=== {run.name}: still running {STOP_GRACE_S:g} s after SIGINT: killing it (SIGKILL)", flush=True)
+        proc.kill()
+
+
 def _stop(run: SessionRun, proc: subprocess.Popen, timeout: float, lock: threading.Lock) -> None:
     run.timed_out = True
     with lock:
         print(f"=== {run.name}: --session-timeout {timeout:g} s reached: stopping it (SIGINT)", flush=True)
     proc.send_signal(signal.SIGINT)
+    killer = threading.Timer(STOP_GRACE_S, _kill, (run, proc, lock))
+    killer.daemon = True
+    killer.start()
+
+
+def _sigint_stops_it() -> None:
+    """In the session, before its Python starts: SIGINT's default action, so that Python installs its
+    KeyboardInterrupt handler (a run started in the background, as CI or nohup starts one, inherits SIGINT
+    ignored, and a session would sleep through the time-out's SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | None) -> None:
@@ -87,7 +108,13 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | N
     started = time.perf_counter()
     with open(out / f"{run.name}.log", "w") as log:
         proc = subprocess.Popen(
-            run.argv, cwd=run.cwd, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            run.argv,
+            cwd=run.cwd,
+            env=run.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_sigint_stops_it,
         )
         timer = threading.Timer(timeout, _stop, (run, proc, timeout, lock)) if timeout else None
         if timer:

@@ -26,6 +26,13 @@ from tests.selftest.support.scratch_trees import NEEDS_VLLM_AND_SEED, replace_in
 pytestmark = NEEDS_VLLM_AND_SEED
 
 PRODUCTION_LOGIC = "tests/production/test_production.py::test_production_logic_small"
+
+
+def production_logic(world_size: int) -> str:
+    """The production logic case at ratio 1 (at ratio 2 and W > 1 finding 1 shows first)."""
+    return f"{PRODUCTION_LOGIC}[W{world_size}-rho1]"
+
+
 PORT = "vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py"
 
 
@@ -41,7 +48,7 @@ class ScaleBug:
 
     @property
     def production(self) -> str:
-        return f"{PRODUCTION_LOGIC}[W{self.world_size}]"
+        return production_logic(self.world_size)
 
 
 PLANTS = (
@@ -86,7 +93,7 @@ PLANTS = (
 
 
 def test_the_seed_tree_passes_the_production_logic(tmp_path):
-    done = run_dsv41_nodes(seed_tree(tmp_path / "tree"), [PRODUCTION_LOGIC], "1,2")
+    done = run_dsv41_nodes(seed_tree(tmp_path / "tree"), [production_logic(1), production_logic(2)], "1,2")
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-4000:]
 
 

@@ -5,7 +5,10 @@ running when it came) as failed, listing them, instead of pytest's
 
 from __future__ import annotations
 
+import signal
 import sys
+
+import pytest
 
 from tests.selftest.support.inner import REPO_ROOT, inner_env, write_session
 
@@ -24,7 +27,9 @@ def test_stuck():
 """
 
 
-def test_a_session_stopped_by_the_time_out_names_it_and_its_cut_cases(tmp_path, monkeypatch, capsys):
+# A run started in the background (CI, nohup) inherits SIGINT ignored; its sessions must still stop.
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background"])
+def test_a_session_stopped_by_the_time_out_names_it_and_its_cut_cases(tmp_path, monkeypatch, capsys, sigint):
     repo = tmp_path / "repo"
     (repo / "tests" / "stage1_index").mkdir(parents=True)
     write_session(repo, {})
@@ -32,10 +37,15 @@ def test_a_session_stopped_by_the_time_out_names_it_and_its_cut_cases(tmp_path, 
     monkeypatch.setattr(gpu_ci, "REPO", repo)
     monkeypatch.setattr(gpu_ci.os, "environ", inner_env())
     out = tmp_path / "out"
-    code = gpu_ci.main(
-        ["--device", "cpu", "--steps", "stage1", "--workers", "0", "--out", str(out)] + ["--session-timeout", "8"]
-    )
+    before = signal.signal(signal.SIGINT, sigint)
+    try:
+        code = gpu_ci.main(
+            ["--device", "cpu", "--steps", "stage1", "--workers", "0", "--out", str(out)] + ["--session-timeout", "8"]
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     printed = capsys.readouterr().out
+    assert "killing it (SIGKILL)" not in printed, printed
     assert code == 1, printed
     assert "=== pool: --session-timeout 8 s reached: stopping it (SIGINT)" in printed, printed
     assert "session pool exited" not in printed, printed
