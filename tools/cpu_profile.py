@@ -65,6 +65,8 @@ KINDS = (
 # Process kinds by their command line, the first that matches.
 PROCESS_KINDS = (
     ("pool zygote and ranks", "dcpcheck.ranks.worker"),
+    # The self-tests' warm interpreter (tests/selftest/support/inner.py): its inner sessions show its command line.
+    ("inner sessions of self-tests (warm interpreter)", "--freeze-imports"),
     ("pool zygote and ranks", "dcpcheck.ranks.zygote_server"),  # zygotes forked from it show its command line
     ("xdist workers", "exec(eval(sys.stdin.readline()))"),  # execnet's bootstrap
     ("inner sessions of self-tests (session probe)", "tests.selftest.support.session_probe"),

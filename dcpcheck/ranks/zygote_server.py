@@ -14,6 +14,12 @@ CUDA's driver cannot be loaded there (no process forked after that can use
 a GPU): the server says so and exits (:class:`ImplInitialisesCuda`), and
 its ranks load it after their fork.
 
+The self-tests' inner sessions are forked the same way (:class:`RunModule`:
+``python -m MODULE ARGS`` in the request's directory, environment and
+``sys.path``), from a server of their own per pytest process that imported
+torch and pytest and froze those imports (``--freeze-imports``), so that a
+session's full collections skip them (:mod:`tests.selftest.support.inner`).
+
 The process tree stays bounded: the server gets the kernel's parent-death
 signal when pytest dies and its zygotes get theirs when the server dies
 (:func:`dcpcheck.ranks.reaper.die_with_parent`), and a zygote that gets it
@@ -28,6 +34,7 @@ what ``/proc`` shows it doing.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import socket
@@ -73,6 +80,22 @@ class ForkZygote:
 
 
 @dataclass(frozen=True)
+class RunModule:
+    """Fork a process that runs ``python -m module args`` as started in
+    ``cwd`` under ``environ`` (``sys.path`` as those give it), its output to
+    ``log``; it gets SIGKILL when the server dies."""
+
+    module: str
+    args: list[str]
+    cwd: str
+    environ: dict[str, str]
+    log: str
+
+    def asked(self) -> str:
+        return f"to fork python -m {self.module}"
+
+
+@dataclass(frozen=True)
 class ExitCode:
     """How zygote ``pid`` exited (as ``Popen.returncode``), waiting at most
     ``timeout`` seconds; ``None`` while it runs."""
@@ -101,9 +124,10 @@ class ImplInitialisesCuda(Exception):
 # ---- the server ---------------------------------------------------------------
 
 
-def _run_zygote(request: ForkZygote, parent_pid: int) -> int:
-    """In the forked child: become the zygote a spawn would have started."""
-    from dcpcheck.ranks import worker
+def _become(request: ForkZygote | RunModule) -> None:
+    """In the forked child: the process group, directory, environment and
+    output the request asks for, stdin /dev/null."""
+    from dcpcheck.ranks.worker import redirect_output
 
     os.setpgid(0, 0)  # its own process group, as the pool's killpg expects
     os.chdir(request.cwd)
@@ -112,20 +136,58 @@ def _run_zygote(request: ForkZygote, parent_pid: int) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    worker.redirect_output(request.log)
+    redirect_output(request.log)
+
+
+def _run_zygote(request: ForkZygote, parent_pid: int) -> int:
+    """In the forked child: become the zygote a spawn would have started."""
+    from dcpcheck.ranks import worker
+
+    _become(request)
     argv = [*request.argv, "--parent-pid", str(parent_pid)]
     sys.argv = [worker.__file__, *argv]  # what `python -m dcpcheck.ranks.worker` shows an implementation
     return worker.main(argv)
 
 
-def _fork_zygote(request: ForkZygote, conn: Connection) -> int:
+def _run_module(request: RunModule, parent_pid: int) -> int:
+    """In the forked child: ``python -m`` as the request asks; -> its exit code."""
+    import atexit
+    import runpy
+
+    die_with_parent(signal.SIGKILL, parent_pid)
+    _become(request)
+    # sys.path as `python -m` from cwd with this PYTHONPATH has it: cwd, then PYTHONPATH's entries.
+    entries = [request.cwd, *filter(None, request.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.path[:] = entries + [entry for entry in sys.path[1:] if entry not in entries]
+    sys.argv = [request.module, *request.args]
+    try:
+        runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    finally:
+        atexit._run_exitfuncs()  # what the run registered (e.g. a mutant's directory removed), as at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _fork(request: ForkZygote | RunModule, conn: Connection) -> int:
     server_pid = os.getpid()
+    run = _run_zygote if isinstance(request, ForkZygote) else _run_module
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             conn.close()
-            code = _run_zygote(request, server_pid)
+            code = run(request, server_pid)
         except BaseException:  # noqa: BLE001 - a forked child must never return into the server's loop
             import traceback
 
@@ -171,12 +233,16 @@ def _load_impl(spec: str, device: str) -> bool:
     return driver_initialised()
 
 
-def serve(conn: Connection, preload: list[str], impl: str | None, device: str) -> int:
+def serve(conn: Connection, preload: list[str], impl: str | None, device: str, freeze_imports: bool = False) -> int:
     for module in preload:
         __import__(module)
     if impl is not None and _load_impl(impl, device):
         conn.send(ServerReady(impl_initialised_cuda=True))
         return 0
+    if freeze_imports:
+        # What is imported now is every fork's: the collections a fork makes (pytest
+        # makes full ones as its session ends) skip it and copy none of its pages.
+        gc.freeze()
     conn.send(ServerReady())
     reaped: dict[int, int] = {}
     while True:
@@ -184,8 +250,8 @@ def serve(conn: Connection, preload: list[str], impl: str | None, device: str) -
             request = conn.recv()
         except EOFError:  # pytest is done with it
             return 0
-        if isinstance(request, ForkZygote):
-            conn.send(_fork_zygote(request, conn))
+        if isinstance(request, (ForkZygote, RunModule)):
+            conn.send(_fork(request, conn))
         else:
             conn.send(_exit_code(request.pid, request.timeout, reaped))
 
@@ -197,9 +263,10 @@ def main(argv=None) -> int:
     parser.add_argument("--preload", nargs="*", default=[], help="modules every zygote needs")
     parser.add_argument("--impl", help="the implementation to load before forking (--dcp-impl's spec)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks run")
+    parser.add_argument("--freeze-imports", action="store_true", help="gc.freeze() what it imported, before forking")
     args = parser.parse_args(argv)
     die_with_parent(PARENT_DEATH_SIGNAL, args.parent_pid)
-    return serve(Connection(args.fd), args.preload, args.impl, args.device)
+    return serve(Connection(args.fd), args.preload, args.impl, args.device, args.freeze_imports)
 
 
 # ---- pytest's side ------------------------------------------------------------
@@ -208,17 +275,21 @@ def main(argv=None) -> int:
 @dataclass(frozen=True)
 class ServerKind:
     """What a server is started with: its imports, and the implementation it
-    loads (None: each rank loads it) for ranks on ``device``."""
+    loads (None: each rank loads it) for ranks on ``device``; ``freeze_imports``:
+    it freezes them (``gc.freeze``; the self-tests' server, :class:`RunModule`)."""
 
     preload: tuple[str, ...]
     impl: str | None
     device: str
+    freeze_imports: bool = False
 
     def command(self, fd: int) -> list[str]:
         command = [
             sys.executable, "-m", "dcpcheck.ranks.zygote_server", "--fd", str(fd),
             "--parent-pid", str(os.getpid()), "--device", self.device, "--preload", *self.preload,
         ]  # fmt: skip
+        if self.freeze_imports:
+            command.append("--freeze-imports")  # tools/cpu_profile.py knows the self-tests' server by it
         return command if self.impl is None else [*command, "--impl", self.impl]
 
 
@@ -293,6 +364,10 @@ class ZygoteServer:
         pid = self._ask(ForkZygote(argv, os.getcwd(), environ, log))
         return ForkedZygote(self, pid)
 
+    def run_module(self, module: str, args: list[str], *, cwd: str, environ: dict[str, str], log: str) -> ForkedZygote:
+        """``python -m module args`` forked (:class:`RunModule`)."""
+        return ForkedZygote(self, self._ask(RunModule(module, args, cwd, environ, log)))
+
     def exit_code(self, pid: int, timeout: float) -> int | None:
         return self._ask(ExitCode(pid, timeout), waits=timeout)
 
@@ -314,7 +389,7 @@ class ZygoteServer:
 
 
 class ForkedZygote:
-    """A zygote the server forked, seen as ``subprocess.Popen`` shows a child:
+    """A zygote (or a :class:`RunModule` run) the server forked, seen as ``subprocess.Popen`` shows a child:
     ``pid``, ``poll()``, ``wait(timeout)``, ``returncode``. Once the server is
     gone they raise :class:`ZygoteServerGone`."""
 

@@ -1,7 +1,9 @@
 """Pools are forked from one zygote server per session (``dcpcheck/ranks/zygote_server.py``):
 a zygote runs as a spawned one would, a fresh pool costs no new torch import,
 a server that dies ends its pools and is replaced, and one that stops answering
-fails the case that waited on it, and is killed."""
+fails the case that waited on it, and is killed. The self-tests' inner sessions
+are forked from one too: ``python -m`` as started in their directory, their
+exit code, a run past its timeout killed."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from dcpcheck.ranks.procstate import parent_pid
 from dcpcheck.ranks.zygote_server import ServerKind, ZygoteServer, ZygoteServerGone
 from tests.selftest.support.hostile import kill_the_zygote_server
-from tests.selftest.support.inner import run_inner_pytest, write_session
+from tests.selftest.support.inner import run_inner_pytest, run_python_module, warm_server, write_session
 from tests.selftest.support.processes import alive, wait_until
 from tests.selftest.support.rank_functions import kill_rank, sum_of_ranks
 
@@ -137,3 +139,27 @@ def test_a_stopped_server_fails_the_case_that_waits_on_it_naming_it_and_leaves_n
     assert f"within {ANSWER_TIMEOUT_S} s" in output, output
     assert wait_until(lambda: not alive(server), 5), f"the stopped server {server} is left"
     assert wait_until(lambda: not list(scratch.glob("dcpcheck-pool-*")), 5), list(scratch.iterdir())
+
+
+PLANTED_MODULE = """
+import os, sys, time
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "first on sys.path", sys.path[0], "group", os.getpgid(0) == os.getpid())
+print("variable", os.environ.get("PLANTED_VARIABLE"), "parent", os.getppid(), file=sys.stderr)
+if sys.argv[1] == "hang":
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_module_run_is_forked_as_python_m_from_its_directory_and_killed_past_its_timeout(tmp_path):
+    (tmp_path / "planted_run.py").write_text(PLANTED_MODULE)
+    env = {**os.environ, "PLANTED_VARIABLE": "set"}
+    code, output = run_python_module(tmp_path, "planted_run", ["3"], env=env, timeout=60)
+    server = warm_server().process.pid
+    assert code == 3, output
+    assert f"argv ['3'] cwd {tmp_path} first on sys.path {tmp_path} group True" in output, output
+    assert f"variable set parent {server}" in output, output
+    code, output = run_python_module(tmp_path, "planted_run", ["hang"], env=env, timeout=1)
+    assert code is None, output
+    assert warm_server().process.pid == server, "the server did not outlive the killed run"
+    assert not list(tmp_path.glob(".warm-python-*")), list(tmp_path.iterdir())

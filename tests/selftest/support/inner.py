@@ -1,8 +1,21 @@
 """Run an inner pytest session in a subprocess, for checks of the harness
-itself (usage errors, skips, what a session leaves behind)."""
+itself (usage errors, skips, what a session leaves behind).
+
+Sessions that need only an exit code and output (:func:`run_python_module`)
+are forked from a warm interpreter, a zygote server
+(:mod:`dcpcheck.ranks.zygote_server`, :class:`RunModule`) that imported
+torch and pytest: each costs a fork, not an interpreter start and torch's
+import. One server per pytest process (each xdist worker its own), started
+at the first run and ended with that process. Of dcpcheck it imports only
+the zygote server's modules, not the plugin (the inner session's pytest
+rewrites the plugin's asserts as it loads it), and no Triton (whose
+interpreter is chosen at import). Sessions whose checks need a process
+started the usual way (signals, process groups, what is left behind) use
+:func:`start_inner_pytest`."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -10,12 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dcpcheck.ranks.zygote_server import ServerKind, ZygoteServer
 from tests.selftest.support import session_probe
-from tests.selftest.support.warm_python import warm_python
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 INNER_CONFTEST = 'pytest_plugins = ["dcpcheck.plugin"]\n'
 
+
+WARM_SERVER = ServerKind(preload=("torch", "pytest"), impl=None, device="cpu", freeze_imports=True)
+WARM_SERVER_STARTUP_TIMEOUT_S = 240.0  # its imports, on a busy machine
+WARM_SERVER_ANSWER_TIMEOUT_S = 60.0  # beyond what a request waits
+KILLED_RUN_WAIT_S = 60.0  # for a run killed at its timeout to be reaped
+_warm_server: ZygoteServer | None = None
 
 # pytest prints the short summary's messages whole where these are set (CI runs): an inner session's output
 # is read the same on a developer's machine and in CI.
@@ -68,12 +87,46 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def warm_server() -> ZygoteServer:
+    """This process's warm interpreter, started at the first call with
+    :func:`inner_env` (the environment that runs share: each run sets its own in full)."""
+    global _warm_server
+    if _warm_server is None or not _warm_server.alive:
+        if _warm_server is not None:
+            _warm_server.stop()
+        _warm_server = ZygoteServer(
+            inner_env(), WARM_SERVER, WARM_SERVER_STARTUP_TIMEOUT_S, WARM_SERVER_ANSWER_TIMEOUT_S
+        )
+        atexit.register(_warm_server.stop)
+    return _warm_server
+
+
 def run_python_module(tmp_path: Path, module: str, args: list[str], *, env: dict, timeout: float):
     """(exit code, output: stdout and stderr) of ``python -m module args`` in
-    ``tmp_path`` with ``env``, forked from a warm interpreter
-    (:mod:`tests.selftest.support.warm_python`); exit code None when it did not end
-    within ``timeout`` s (it is killed: a hung inner session must not outlive its test)."""
-    return warm_python(inner_env()).run_module(module, args, cwd=tmp_path, env=env, timeout=timeout)
+    ``tmp_path`` with ``env``, forked from this process's warm interpreter
+    (:func:`warm_server`); exit code None when it did not end within
+    ``timeout`` s (its process group is killed: a hung inner session must not outlive its test)."""
+    output = tmp_path / f".warm-python-{os.getpid()}.out"
+    run = warm_server().run_module(module, args, cwd=str(tmp_path), environ=env, log=str(output))
+    try:
+        code = run.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(run.pid)
+        run.wait(KILLED_RUN_WAIT_S)
+        code = None
+    text = output.read_text(errors="replace")
+    output.unlink()
+    return code, text
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not in its own group, or gone
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_inner_pytest(tmp_path: Path, args: list[str], timeout: float = 240, **env) -> tuple[int, str]:

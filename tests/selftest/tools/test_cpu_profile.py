@@ -12,7 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 
-from cpu_profile import Profile, main  # tools/ is on sys.path
+from cpu_profile import Profile, main, process_kind_of  # tools/ is on sys.path
+
+from dcpcheck.ranks.zygote_server import ServerKind
+from tests.selftest.support.inner import WARM_SERVER
 
 RANK = 'process 10:"python -m pytest -n 2";process 11:"python -u -c import sys;exec(eval(sys.stdin.readline()))";'
 RANK += 'process 12:"python -m dcpcheck.ranks.worker --world-size 2";process 13:"python -m dcpcheck.ranks.worker";'
@@ -72,3 +75,9 @@ def test_report_writes_its_markdown_and_refuses_a_missing_file(tmp_path, capsys)
     assert "| `_dcp_a2a_unpack_combine_kernel (vllm/v1/attention/ops/dcp.py)` | 15.4 % | 0.0 % |" in report
     with pytest.raises(SystemExit, match="no samples at .*missing.txt; accepted: a file written by `run`"):
         main(["report", "--raw", str(tmp_path / "missing.txt")])
+
+
+def test_the_self_tests_warm_interpreter_is_told_from_the_pools_zygote_servers():
+    warm, pools = " ".join(WARM_SERVER.command(7)), " ".join(ServerKind(("torch.distributed",), None, "cpu").command(7))
+    assert process_kind_of(warm) == "inner sessions of self-tests (warm interpreter)", warm
+    assert process_kind_of(pools) == "pool zygote and ranks", pools
