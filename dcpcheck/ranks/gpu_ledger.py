@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpcheck.ranks.gpu_free import gpu_memory, gpu_uuid
+from dcpcheck.ranks.procstate import pid_alive
 
 LEDGER_DIR_ENV = "DCPCHECK_GPU_LEDGER_DIR"  # where the ledgers live (default: the temporary directory)
 # What share of a GPU the declared needs may add up to: the rest is for what no case declares
@@ -57,16 +58,6 @@ class Entry:
     case: str
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class GpuLedger:
     """The ledger of one GPU: ``capacity_gib`` is what the declared needs may add up to."""
 
@@ -87,7 +78,7 @@ class GpuLedger:
             except ValueError:
                 state = {}  # a torn file (a writer killed mid-write): its entries' processes re-register
             entries = {
-                kind: [Entry(**e) for e in state.get(kind, []) if _alive(e["pid"])] for kind in ("held", "waiting")
+                kind: [Entry(**e) for e in state.get(kind, []) if pid_alive(e["pid"])] for kind in ("held", "waiting")
             }
             yield entries
             data = json.dumps({kind: [e.__dict__ for e in items] for kind, items in entries.items()}).encode()

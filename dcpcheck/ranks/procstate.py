@@ -3,6 +3,7 @@ messages about a process that does not answer."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 # /proc/<pid>/stat state letters, as a failure message says them.
@@ -15,6 +16,17 @@ STATES = {
     "Z": "has exited (not yet reaped)",
     "X": "has exited",
 }
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: signal 0 is refused it, not absent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def stat_fields(pid: int) -> list[str] | None:

@@ -17,34 +17,11 @@ from __future__ import annotations
 import pytest
 
 from dcpcheck.checks.production import check_production_step
-from dcpcheck.scenarios.production import (
-    PRODUCTION,
-    PRODUCTION_CHOICE,
-    PROFILE_ENV,
-    SERVED_LAYOUTS,
-    SMALL_PRODUCTION,
-    production_selected,
-)
+from dcpcheck.scenarios.production import PRODUCTION, SERVED_LAYOUTS, SMALL_PRODUCTION
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
+from tests.production.common import DSV41_RATIO2, GATHER, SERVED, SERVED_WIDE, SUB_CHUNKS, require_production
 
 pytestmark = pytest.mark.needs("build_attention")
-
-# One rank's GiB at its peak, as measured on an H100 (gpu_ci's production table, the allocator's reserved peak
-# of a case's ranks over their count): 16 at W = 1 and 21 at W = 2 (a rank holds 32 heads of a 300K-token request
-# at D = 512, its 2 GiB KV pool and its cache), 27 at W = 2 at ratio 2 (a rank of the stage-3 path ran out of
-# memory there holding 27.3 GiB), 6.3 at W = 4; W = 8 as W = 4. Two such cases side by side ran the GPU out of
-# memory: the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs them one at a time.
-SERVED = pytest.mark.gpu_memory(27)
-SERVED_WIDE = pytest.mark.gpu_memory(7)
-GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
-SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
-# Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
-DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
-
-
-def require_production(dcp) -> None:
-    if not production_selected(dcp.device_type):
-        pytest.skip(f"the production profile runs on CUDA; on CPU set {PROFILE_ENV}={PRODUCTION_CHOICE}")
 
 
 def run_production(dcp, *, layout, top_k, prefill_gather, rho=1):

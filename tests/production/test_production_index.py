@@ -13,9 +13,9 @@ import pytest
 from dcpcheck.checks.production_index import check_production_index
 from dcpcheck.scenarios.production import PRODUCTION
 from dcpcheck.stages import STAGE_INDEX
+from tests.production.common import DSV41_RATIO2
 
 pytestmark = [pytest.mark.stage(STAGE_INDEX), pytest.mark.needs("filter_index", "slot_mapping")]
-DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
 
 
 # (rho, K, I): the production step's interleave (one state a rank in turn: I = rho tokens) at every served

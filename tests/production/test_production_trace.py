@@ -17,33 +17,15 @@ from __future__ import annotations
 import pytest
 
 from dcpcheck.checks.production_trace import check_production_trace
-from dcpcheck.scenarios.production import (
-    PRODUCTION,
-    PRODUCTION_CHOICE,
-    PROFILE_ENV,
-    SERVED_LAYOUTS,
-    SMALL_PRODUCTION,
-    production_selected,
-)
+from dcpcheck.scenarios.production import PRODUCTION, SERVED_LAYOUTS, SMALL_PRODUCTION
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
+from tests.production.common import DSV41_RATIO2, GATHER, SERVED, SERVED_WIDE, SUB_CHUNKS, require_production
 
 pytestmark = pytest.mark.needs("build_attention")
 
-# An estimate, to be measured on an H100 (gpu_ci's production table): test_production.py's measured peak of one
-# step (16 GiB a rank at W = 1, 21 at W = 2, 6.3 at W = 4) plus the trace's second copy of the window buffer
-# and a second step's queries. W 4-8 as test_production.py's: 8 ranks of (8 + 1 GiB of context) would be over
-# 85 % of an H100 and skip there.
-TRACE = pytest.mark.gpu_memory(23)
-TRACE_WIDE = pytest.mark.gpu_memory(7)
-GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
-SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
-# Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
-DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
-
 
 def run_trace(dcp, *, rho=1, prefill_gather=True):
-    if not production_selected(dcp.device_type):
-        pytest.skip(f"the production profile runs on CUDA; on CPU set {PROFILE_ENV}={PRODUCTION_CHOICE}")
+    require_production(dcp)
     dcp.run(
         check_production_trace,
         profile=PRODUCTION.name,
@@ -55,7 +37,7 @@ def run_trace(dcp, *, rho=1, prefill_gather=True):
     )
 
 
-@TRACE
+@SERVED
 @pytest.mark.world_sizes(1)
 @pytest.mark.stage(STAGE_COMBINE)
 @pytest.mark.parametrize("rho", [1, 2], ids=lambda rho: f"rho{rho}")
@@ -63,14 +45,14 @@ def test_production_trace_dcp1(dcp, rho):
     run_trace(dcp, rho=rho, prefill_gather=False)
 
 
-@TRACE
+@SERVED
 @pytest.mark.world_sizes(2)
 @pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
 def test_production_trace_dcp2(dcp, prefill_gather):
     run_trace(dcp, prefill_gather=prefill_gather)
 
 
-@TRACE
+@SERVED
 @DSV41_RATIO2
 @pytest.mark.world_sizes(2)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
@@ -78,7 +60,7 @@ def test_production_trace_dcp2_ratio2(dcp, prefill_gather):
     run_trace(dcp, rho=2, prefill_gather=prefill_gather)
 
 
-@TRACE_WIDE
+@SERVED_WIDE
 @pytest.mark.world_sizes(4, 8)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
 def test_production_trace_wide(dcp, prefill_gather):

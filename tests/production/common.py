@@ -1,0 +1,27 @@
+"""What the production tests share: their GPU memory needs, the prefill paths they run, the ratio-2 scenario and
+the skip off CUDA (the profile itself: :mod:`dcpcheck.scenarios.production`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpcheck.scenarios.production import PRODUCTION_CHOICE, PROFILE_ENV, production_selected
+from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
+
+# One rank's GiB at its peak, as measured on an H100 (gpu_ci's production table, the allocator's reserved peak
+# of a case's ranks over their count): 16 at W = 1 and 21 at W = 2 (a rank holds 32 heads of a 300K-token request
+# at D = 512, its 2 GiB KV pool and its cache), 27 at W = 2 at ratio 2 (a rank of the stage-3 path ran out of
+# memory there holding 27.3 GiB), 6.3 at W = 4; W = 8 as W = 4; a two-step trace as much (not measured apart).
+# Two such cases side by side ran the GPU out of memory: the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs them
+# one at a time. 8 ranks of (8 + 1 GiB of context) would be over 85 % of an H100 and skip there.
+SERVED = pytest.mark.gpu_memory(27)
+SERVED_WIDE = pytest.mark.gpu_memory(7)
+GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
+SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
+# Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
+DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
+
+
+def require_production(dcp) -> None:
+    if not production_selected(dcp.device_type):
+        pytest.skip(f"the production profile runs on CUDA; on CPU set {PROFILE_ENV}={PRODUCTION_CHOICE}")
