@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcpcheck.scenarios.production import PRODUCTION_CHOICE, PROFILE_ENV, production_selected
+from dcpcheck.scenarios.production import PRODUCTION_CHOICE, PROFILE_ENV, SMALL_PRODUCTION, production_selected
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
 # One rank's GiB at its peak, as measured on an H100 (gpu_ci's production table, the allocator's reserved peak
@@ -20,8 +20,24 @@ GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
 # Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).
 DSV41_RATIO2 = pytest.mark.scenario("dsv41_ratio2")
+# The small profile's ratios: 1, and 2 (where the seed port meets finding 1 at W > 1).
+SMALL_RATIOS = pytest.mark.parametrize("rho", [1, pytest.param(2, marks=DSV41_RATIO2)], ids=lambda rho: f"rho{rho}")
 
 
 def require_production(dcp) -> None:
     if not production_selected(dcp.device_type):
         pytest.skip(f"the production profile runs on CUDA; on CPU set {PROFILE_ENV}={PRODUCTION_CHOICE}")
+
+
+def run_small(dcp, check, rho: int) -> None:
+    """``check`` at the small profile (head dim 64, 8 heads a rank, top-k 2048, positions past 2^17), the gather
+    at W > 1, an interleave of one state."""
+    dcp.run(
+        check,
+        profile=SMALL_PRODUCTION.name,
+        rho=rho,
+        top_k=max(SMALL_PRODUCTION.top_ks),
+        local_heads=SMALL_PRODUCTION.heads_per_rank,
+        prefill_gather=True,
+        interleave_tokens=rho,
+    )

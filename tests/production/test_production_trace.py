@@ -17,9 +17,18 @@ from __future__ import annotations
 import pytest
 
 from dcpcheck.checks.production_trace import check_production_trace
-from dcpcheck.scenarios.production import PRODUCTION, SERVED_LAYOUTS, SMALL_PRODUCTION
+from dcpcheck.scenarios.production import PRODUCTION, SERVED_LAYOUTS
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
-from tests.production.common import DSV41_RATIO2, GATHER, SERVED, SERVED_WIDE, SUB_CHUNKS, require_production
+from tests.production.common import (
+    DSV41_RATIO2,
+    GATHER,
+    SERVED,
+    SERVED_WIDE,
+    SMALL_RATIOS,
+    SUB_CHUNKS,
+    require_production,
+    run_small,
+)
 
 pytestmark = pytest.mark.needs("build_attention")
 
@@ -70,14 +79,6 @@ def test_production_trace_wide(dcp, prefill_gather):
 # The trace's logic at a small head dim, on every host: W 1 and 2, the gather at W = 2, ratios 1 and 2.
 @pytest.mark.world_sizes(1, 2)
 @pytest.mark.stage(STAGE_PREFILL)
-@pytest.mark.parametrize("rho", [1, pytest.param(2, marks=DSV41_RATIO2)], ids=lambda rho: f"rho{rho}")
+@SMALL_RATIOS
 def test_production_trace_small(dcp, rho):
-    dcp.run(
-        check_production_trace,
-        profile=SMALL_PRODUCTION.name,
-        rho=rho,
-        top_k=max(SMALL_PRODUCTION.top_ks),
-        local_heads=SMALL_PRODUCTION.heads_per_rank,
-        prefill_gather=True,
-        interleave_tokens=rho,
-    )
+    run_small(dcp, check_production_trace, rho)
