@@ -26,7 +26,7 @@ has no GPU or an argument is bad (one line, before any session starts).
 
 This module is the command line: it checks the arguments, plans the sessions
 and writes the summary. Beside it: gpu_ci_sessions.py (the session table),
-gpu_ci_launch.py (running the sessions), gpu_ci_plugin.py (the pytest plugin
+gpu_ci_launch.py (running the sessions), gpu_ci_load.py (the host's load meanwhile), gpu_ci_plugin.py (the pytest plugin
 each session loads), gpu_ci_junit.py (reading their JUnit files back) and
 gpu_ci_summary.py (the markdown).
 """
@@ -212,7 +212,8 @@ def main(argv=None) -> int:
 
     runs, junit_files, sessions, left_out = plan(args, out, gpus)
     started = time.perf_counter()
-    walls = run_sessions(runs, out, args.session_timeout)
+    (out / "load.csv").unlink(missing_ok=True)
+    waves = run_sessions(runs, out, args.session_timeout, gpus)
     wall = time.perf_counter() - started
 
     rows, phases, xfails, xpasses = summarize(junit_files)
@@ -231,11 +232,11 @@ def main(argv=None) -> int:
         problem = missing_breakdown(session, phases, args.device, ran)
         if problem:
             problems.append(problem)
-    waves = ", ".join(f"wave {wave} {seconds:.1f} s" for wave, seconds in walls.items())
     header = (
         f"# dcpcheck GPU CI\n\ndevice={args.device} GPUs={gpus} cores={cores} pool workers={args.workers} "
-        f"wall {wall:.1f} s ({waves})\n\n"
+        f"wall {wall:.1f} s ({', '.join(f'wave {n} {wave.seconds:.1f} s' for n, wave in waves.items())})\n\n"
     )
+    header += "".join(f"- wave {n}: {wave.load.describe()}\n" for n, wave in waves.items()) + "\n"
     if left_out:
         header += f"Not run: {', '.join(s.name for s in NEEDS_VLLM)}: {left_out}\n\n"
     flashmla = installed_version("sgl-flash-mla")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from gpu_ci_load import LoadSampler, WaveLoad
 from gpu_ci_plugin import PLUGIN
 from gpu_ci_sessions import Session
 from session_cut import PROGRESS_ENV
@@ -131,17 +132,24 @@ def _stream(run: SessionRun, out: Path, lock: threading.Lock, timeout: float | N
         print(f"=== {run.name}: exit {run.code} in {run.seconds:.1f} s", flush=True)
 
 
-def run_sessions(runs: list[SessionRun], out: Path, timeout: float | None) -> dict[int, float]:
+@dataclass
+class Wave:
+    seconds: float
+    load: WaveLoad  # the host's cores and GPU memory meanwhile (gpu_ci_load.py)
+
+
+def run_sessions(runs: list[SessionRun], out: Path, timeout: float | None, gpus: int) -> dict[int, Wave]:
     """Each wave's sessions at once (they share the GPUs and the cores), the
-    waves in turn -> each wave's wall seconds."""
+    waves in turn -> each wave's wall seconds and load."""
     lock = threading.Lock()
-    walls = {}
+    waves = {}
     for wave in sorted({run.wave for run in runs}):
         started = time.perf_counter()
         threads = [threading.Thread(target=_stream, args=(run, out, lock, timeout)) for run in runs if run.wave == wave]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        walls[wave] = time.perf_counter() - started
-    return walls
+        with LoadSampler(gpus, out / "load.csv", wave) as load:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        waves[wave] = Wave(time.perf_counter() - started, load)
+    return waves

@@ -1,0 +1,43 @@
+"""``tools/gpu_ci_load.py``: a wave's load, as the GPU CI's summary gives it. The busy share of the cores
+comes from /proc/stat (a busy loop beside the sampler must show), the GPU's used memory from NVML (here a
+stand-in answer), one CSV row a sample."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from tests.selftest.support.inner import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import gpu_ci_load  # tools/ is on sys.path
+
+from dcpcheck.ranks.gpu_free import GpuMemory
+
+
+def test_describe_names_the_mean_the_saturated_share_and_the_peak():
+    load = gpu_ci_load.WaveLoad(cpu_busy=[0.5, 1.0, 0.95, 0.15], gpu_used_gib=[[10.0], [74.25], [float("nan")]])
+    assert load.describe() == "CPU busy mean 65%, 50% of seconds at >= 90%; GPU used peak 74.2 GiB"
+    assert gpu_ci_load.WaveLoad().describe() == "no load samples"
+
+
+@pytest.mark.skipif(gpu_ci_load.cpu_times() is None, reason="no /proc/stat: not Linux")
+def test_the_sampler_sees_a_busy_core_and_writes_a_row_a_sample(tmp_path, monkeypatch):
+    used = iter(range(1, 100))
+    monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: GpuMemory(80 * 2**30, (80 - next(used)) * 2**30))
+    csv = tmp_path / "load.csv"
+    with gpu_ci_load.LoadSampler(1, csv, wave=0, period=0.2) as load:
+        spin_until = time.perf_counter() + 1.0
+        while time.perf_counter() < spin_until:
+            pass
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib"
+    assert len(rows) - 1 == len(load.cpu_busy) == len(load.gpu_used_gib) >= 3
+    # One core of os.cpu_count() spun the whole time; the rest of this host may idle.
+    cores = os.cpu_count() or 1
+    assert sum(load.cpu_busy) / len(load.cpu_busy) >= 0.5 / cores
+    assert [sample[0] for sample in load.gpu_used_gib] == [float(n) for n in range(1, len(rows))]

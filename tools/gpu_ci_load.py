@@ -1,0 +1,90 @@
+"""What the host was busy with while a wave of the GPU CI ran (``tools/gpu_ci.py``): the share of its cores
+that were busy (``/proc/stat``) and the memory used on each GPU (NVML, as every process on the host holds it),
+sampled once a second. The summary gives each wave's mean and peak, so that a wave bound by the cores is told
+from one bound by GPU memory (idle pools ended, ledger waits) before its sessions are moved or given workers;
+each sample goes to ``<out>/load.csv``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dcpcheck.ranks.gpu_free import gpu_memory
+
+PERIOD_S = 1.0
+BUSY_SHARE = 0.9  # a sample at or above this share of busy cores counts as a saturated second
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat's ``cpu`` line; None off Linux."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+@dataclass
+class WaveLoad:
+    """One wave's samples: the busy share of the cores over each period, the GiB used on each GPU."""
+
+    cpu_busy: list[float] = field(default_factory=list)
+    gpu_used_gib: list[list[float]] = field(default_factory=list)  # per sample, per GPU
+
+    def describe(self) -> str:
+        """``CPU busy mean 71 %, 38 % of seconds at >= 90 %; GPU used peak 74.1 GiB`` (what was measured)."""
+        parts = []
+        if self.cpu_busy:
+            mean = sum(self.cpu_busy) / len(self.cpu_busy)
+            saturated = sum(busy >= BUSY_SHARE for busy in self.cpu_busy) / len(self.cpu_busy)
+            parts.append(f"CPU busy mean {mean:.0%}, {saturated:.0%} of seconds at >= {BUSY_SHARE:.0%}")
+        gpus = len(self.gpu_used_gib[0]) if self.gpu_used_gib else 0
+        peaks = [max((s[gpu] for s in self.gpu_used_gib if s[gpu] == s[gpu]), default=None) for gpu in range(gpus)]
+        peaks = [peak for peak in peaks if peak is not None]  # NaN: NVML had no answer
+        if peaks:
+            parts.append("GPU used peak " + ", ".join(f"{peak:.1f}" for peak in peaks) + " GiB")
+        return "; ".join(parts) or "no load samples"
+
+
+class LoadSampler:
+    """Samples while it is open (a thread): ``with LoadSampler(gpus, csv, wave) as load: ...`` -> a WaveLoad."""
+
+    def __init__(self, gpus: int, csv: Path, wave: int, period: float = PERIOD_S):
+        self.gpus, self.csv, self.wave, self.period = gpus, csv, wave, period
+        self.load = WaveLoad()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> WaveLoad:
+        if not self.csv.exists():
+            header = ["wave", "t_s", "cpu_busy"] + [f"gpu{index}_used_gib" for index in range(self.gpus)]
+            self.csv.write_text(",".join(header) + "\n")
+        self._thread.start()
+        return self.load
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        started, last = time.perf_counter(), cpu_times()
+        with open(self.csv, "a") as csv:
+            while not self._stop.wait(self.period):
+                now = cpu_times()
+                busy = None
+                if now and last and now[1] > last[1]:
+                    busy = (now[0] - last[0]) / (now[1] - last[1])
+                    self.load.cpu_busy.append(busy)
+                last = now
+                used = []
+                for index in range(self.gpus):
+                    memory = gpu_memory(index)
+                    used.append((memory.total_bytes - memory.free_bytes) / 2**30 if memory else float("nan"))
+                if self.gpus:
+                    self.load.gpu_used_gib.append(used)
+                cells = [str(self.wave), f"{time.perf_counter() - started:.1f}", "" if busy is None else f"{busy:.3f}"]
+                csv.write(",".join(cells + [f"{gib:.2f}" for gib in used]) + "\n")
+                csv.flush()
