@@ -9,7 +9,8 @@ idles at the end. Spread (``DCPCHECK_XDIST_SPREAD=1``, set by
 ``tools/gpu_ci.py``): every file is split by W, each part a group of its own,
 handed out in the order of the command line (gpu_ci lists the longest
 first), so that one file's world sizes run side by side (each part still
-builds its scenarios once, on one worker). A realistic GPU file is split at
+builds its scenarios once, on one worker); of the groups about to be handed
+out, a worker takes one of the W it ran last, whose pool it holds. A realistic GPU file is split at
 W <= 2 (where each rank's share of a case is largest) by DeepSeek model too;
 its memory-heavy W = 4 and W = 8 parts stay one each. On one H200 a whole
 file as one group set the wall time (``--dcp-impl vllm``'s
@@ -69,6 +70,20 @@ def widest_of_the_first_file(queue) -> Callable[[str], tuple[int, int]]:
     return key
 
 
+def next_group(queue, key: Callable[[str], object], last_world: int | None, workers: int) -> str:
+    """The group a worker takes next: the first in ``key`` order, unless one of the next ``workers`` groups
+    (those about to be handed out anyway) has the W of the worker's last group and no realistic GPU file's
+    (whose parts keep their order): then that one. A worker keeps a pool per W it ran, a CUDA context a rank;
+    spread groups handed out by order alone gave every worker every W, and on one H100 the pools' contexts
+    left the large cases short of memory, so workers ended idle pools and started them again (gpu_ci at
+    8a3ae70: 29 pool starts in the dsv41 session, 253 case-seconds)."""
+    ordered = sorted(queue, key=key)
+    for group in ordered[: max(workers, 1)]:
+        if last_world and world_of(group) == last_world and not group.startswith(GPU_PREFIX):
+            return group
+    return ordered[0]
+
+
 def path_groups_scheduler(config, log, cold_start_order: Sequence[str]):
     """xdist's scheduler for ``--dist loadgroup``: the groups above, handed out
     in the order above (``cold_start_order``: the longest files first, for a
@@ -81,14 +96,20 @@ def path_groups_scheduler(config, log, cold_start_order: Sequence[str]):
     def handed_out_first(group: str) -> int:
         return order.index(group) if group in order else len(order)
 
+    last_world: dict = {}  # per worker: the W of the group it took last
+
     class PathGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return spread_group(nodeid) if spread else file_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
             # In place of xdist's order (by test count, unless --no-loadscope-reorder).
-            key = widest_of_the_first_file(self.workqueue) if spread else handed_out_first
-            first = min(self.workqueue, key=key)  # min: the earliest of equals
+            if spread:
+                key = widest_of_the_first_file(self.workqueue)
+                first = next_group(self.workqueue, key, last_world.get(node), len(self.nodes))
+                last_world[node] = world_of(first)
+            else:
+                first = min(self.workqueue, key=handed_out_first)  # min: the earliest of equals
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 

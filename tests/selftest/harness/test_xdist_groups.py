@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from dcpcheck.plugin.xdist_groups import spread_group, widest_of_the_first_file
+from dcpcheck.plugin.xdist_groups import next_group, spread_group, widest_of_the_first_file
 
 COMBINE = "tests/stage3_combine/test_combine.py"
 REALISTIC = "tests/gpu/test_stage3_realistic.py"
@@ -35,3 +35,21 @@ def test_a_realistic_files_parts_keep_their_order():
     parts = [f"{REALISTIC} W2 v4.0", f"{REALISTIC} W4", f"{REALISTIC} W8"]
     queue = OrderedDict.fromkeys(parts)
     assert sorted(queue, key=widest_of_the_first_file(queue)) == parts
+
+
+def test_a_worker_takes_a_group_of_its_last_world_size_among_the_next_ones():
+    partition = "tests/stage1_index/test_partition.py"
+    queue = OrderedDict.fromkeys([f"{partition} W{w}" for w in (8, 4, 2, 1)] + [f"{COMBINE} W{w}" for w in (8, 4)])
+    key = widest_of_the_first_file(queue)
+    assert next_group(queue, key, last_world=None, workers=4) == f"{partition} W8"
+    assert next_group(queue, key, last_world=2, workers=4) == f"{partition} W2"
+    # Beyond the next `workers` groups it waits its turn: the longest go first.
+    assert next_group(queue, key, last_world=8, workers=1) == f"{partition} W8"
+    del queue[f"{partition} W8"]
+    assert next_group(queue, key, last_world=8, workers=2) == f"{partition} W4"
+    assert next_group(queue, key, last_world=8, workers=5) == f"{COMBINE} W8"
+
+
+def test_a_realistic_files_parts_are_not_taken_out_of_turn():
+    queue = OrderedDict.fromkeys([f"{REALISTIC} W2 v4.0", f"{REALISTIC} W4", f"{REALISTIC} W8"])
+    assert next_group(queue, widest_of_the_first_file(queue), last_world=8, workers=3) == f"{REALISTIC} W2 v4.0"
