@@ -18,6 +18,8 @@ from tests.selftest.support.inner import REPO_ROOT, inner_env, run_python_module
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import gpu_ci  # tools/ is on sys.path
+import gpu_ci_launch
+import gpu_ci_load
 
 KNOWN_DEFECTS = """
 import pytest
@@ -66,11 +68,11 @@ def test_a_per_world_step_gets_its_seconds_and_peak_per_w(junit):
 
 
 def test_the_run_ends_with_one_line_per_xpass(junit, tmp_path, monkeypatch, capsys):
-    def sessions_that_wrote_the_junit(runs, out, timeout):
+    def sessions_that_wrote_the_junit(runs, out, timeout, gpus):
         for run in runs:
             shutil.copy(junit, out / f"{run.name}.xml")
             run.code = 0
-        return {0: 0.0}
+        return {0: gpu_ci_launch.Wave(0.0, gpu_ci_load.WaveLoad())}
 
     monkeypatch.setattr(gpu_ci, "run_sessions", sessions_that_wrote_the_junit)
     gpu_ci.main(["--device", "cpu", "--steps", "stage1", "--out", str(tmp_path)])
@@ -86,8 +88,8 @@ def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_pat
     waves = {run.name: run.wave for run in runs}
     later = 0 if one_wave else 1
     assert waves == {
-        **{"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "production-port": 0},
-        **{name: later for name in ("vllm", "dsv41", "production", "production-index")},
+        **{"pool": 0, "torchrun": 0, "torchrun-gpu": 0, "production-port": 0, "production-index": 0},
+        **{name: later for name in ("vllm", "dsv41", "production")},
     }
     assert left_out is None
 
