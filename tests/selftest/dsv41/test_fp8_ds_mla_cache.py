@@ -82,6 +82,29 @@ def test_the_reference_kernel_attends_the_records_values():
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
+def test_the_reference_kernel_gives_each_token_the_same_attention_a_chunk_at_a_time(monkeypatch):
+    # A served prefill chunk's candidate rows at once are gigabytes: the kernel gathers ROWS_BYTES at a time.
+    head_dim, num_tokens = 64, 5
+    rows = tiled_rows(2 * PAGE, head_dim, seed=2)
+    cache = allocate(FP8_DS_MLA, 2, PAGE, head_dim, "cpu").unsqueeze(-2)
+    write(cache.squeeze(-2), torch.arange(2 * PAGE), rows)
+    query = torch.randn(num_tokens, 8, head_dim).to(torch.bfloat16)
+    swa = torch.tensor([[0, 1], [1, 2], [2, 3], [3, -1], [-1, -1]], dtype=torch.int32)
+    extra = torch.tensor([[4, 5, 6], [7, 6, -1], [4, -1, -1], [5, 6, 7], [-1, -1, -1]], dtype=torch.int32)
+    extra_lens = torch.tensor([3, 2, 1, 3, 0], dtype=torch.int32)
+    sinks = torch.randn(8)
+    results = []
+    for rows_bytes in (reference_kernel.ROWS_BYTES, 2 * 5 * head_dim * 4):  # all at once; two tokens at a time
+        monkeypatch.setattr(reference_kernel, "ROWS_BYTES", rows_bytes)
+        out, lse = torch.full_like(query, float("nan")), torch.full((num_tokens, 8), float("nan"))
+        reference_kernel.sparse_attention_with_lse(
+            query, cache, swa, None, cache, extra, extra_lens, out, head_dim**-0.5, sinks, lse
+        )
+        results.append((out, lse))
+    assert not results[1][0].isnan().any() and not results[1][1].isnan().any()  # every token written
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
 VLLM_WRITERS = """
 import json, torch
 from dcpcheck.impls.vllm_adapter import VllmImplementation

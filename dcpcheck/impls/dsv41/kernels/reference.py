@@ -36,6 +36,7 @@ from dcpcheck.impls.dsv41.server.kv_cache_format import Fp8DsMlaRecord
 
 EMPTY_LSE = -math.inf
 KERNEL_HEADS = (8, 16, 32, 64, 128)  # h_q the SM120 specializations exist for
+ROWS_BYTES = 256 * 2**20  # the fp32 candidate rows gathered at once (temporaries of a few times that besides)
 
 
 class KernelContractError(ValueError):
@@ -78,16 +79,43 @@ def sparse_attention_with_lse(
     sinks: torch.Tensor | None,
     lse: torch.Tensor,
 ) -> None:
-    """Attention of each query over its SWA and compressed candidates (+ sink)."""
+    """Attention of each query over its SWA and compressed candidates (+ sink), ROWS_BYTES of candidates at a
+    time: each row's result is its own, and a served prefill chunk's candidates at once (2048 tokens of 2176 rows
+    of 512 fp32) are gigabytes a rank."""
     if query.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise KernelContractError(f"query/out must be bf16, got {query.dtype}/{out.dtype}")
     if query.shape[1] not in KERNEL_HEADS:
         raise KernelContractError(f"h_q={query.shape[1]} has no SM120 specialization; accepted: {KERNEL_HEADS}")
+    if extra_indices is not None and compressed_kv_cache is None:
+        raise KernelContractError("extra indices without a compressed cache")
+    num_tokens = query.shape[0]
+    candidates = swa_indices.reshape(num_tokens, -1).shape[1] if num_tokens else 0
+    if extra_indices is not None and num_tokens:
+        candidates += extra_indices.reshape(num_tokens, -1).shape[1]
+    step = max(1, ROWS_BYTES // max(1, candidates * query.shape[-1] * 4))
+    for start in range(0, num_tokens, step):
+        part = slice(start, start + step)
+        _attend(
+            query[part],
+            swa_kv_cache,
+            swa_indices.reshape(num_tokens, -1)[part],
+            None if swa_lens is None else swa_lens[part],
+            compressed_kv_cache,
+            None if extra_indices is None else extra_indices.reshape(num_tokens, -1)[part],
+            None if extra_lens is None else extra_lens[part],
+            out[part],
+            sm_scale,
+            sinks,
+            lse[part],
+        )
+
+
+def _attend(query, swa_kv_cache, swa_indices, swa_lens, compressed_kv_cache, extra_indices, extra_lens, out,
+            sm_scale, sinks, lse) -> None:  # fmt: skip
+    """:func:`sparse_attention_with_lse` of some tokens (``[t, N]`` indices), into their ``out`` and ``lse``."""
     head_dim = query.shape[-1]
     rows, valid = _candidate_rows(swa_kv_cache, swa_indices, swa_lens, "swa indices", head_dim)
     if extra_indices is not None:
-        if compressed_kv_cache is None:
-            raise KernelContractError("extra indices without a compressed cache")
         extra_rows, extra_valid = _candidate_rows(
             compressed_kv_cache, extra_indices, extra_lens, "compressed indices", head_dim
         )
