@@ -90,13 +90,6 @@ def _placement_skip(item, session: DcpSession, world_size: int) -> str | None:
     return None
 
 
-# What a rank of an unmarked case holds at most besides its context (the small profiles: gpu_ci's peak column on
-# an H100 at 8a3ae70 had 0.78 GiB a rank at most, dsv41's W = 8 serving traces: 6.23 GiB over 8 ranks). Unmarked cases hold it in the GPU ledger too: on one H100 an unmarked W = 8
-# serving trace ran out of memory beside a production case of 2 x 27 GiB and other sessions' idle pools, which
-# the ledger's free-memory wait now asks to end first.
-UNMARKED_GIB_PER_RANK = 0.8
-
-
 def _gib_per_gpu(gib_per_rank: float, placement) -> float:
     """GiB the busiest GPU holds for ranks needing ``gib_per_rank`` each, their CUDA contexts included."""
     return (gib_per_rank + CUDA_CONTEXT_GIB) * placement.ranks_per_gpu
@@ -104,9 +97,11 @@ def _gib_per_gpu(gib_per_rank: float, placement) -> float:
 
 def gpu_gib_needed(item, placement) -> float:
     """GiB a GPU must hold for the ranks of ``item`` placed there: its
-    ``gpu_memory`` marker's need (UNMARKED_GIB_PER_RANK unmarked) and their CUDA contexts."""
+    ``gpu_memory`` marker's need and their CUDA contexts (0 unmarked: an unmarked case waits for no one, and
+    no one for it; on one H100, holding 0.8 GiB a rank for every unmarked case queued the small cases behind
+    each large one and left wave 1's cores 76 % idle)."""
     memory = item.get_closest_marker("gpu_memory")
-    return _gib_per_gpu(memory.args[0] if memory else UNMARKED_GIB_PER_RANK, placement)
+    return _gib_per_gpu(memory.args[0], placement) if memory else 0.0
 
 
 def memory_skip(gib_per_rank: float, placement, gpu_gib: float) -> str | None:

@@ -108,7 +108,7 @@ class Dsv41Implementation:
                 backend=backend,
             ),
         )
-        # id(suite cache) -> (a weak reference to it, its copy in kv_cache_dtype at a fixed address)
+        # id(suite cache) -> (a weak reference to it, its copy in kv_cache_dtype at a fixed address), while it lives
         self.cache_mirrors: dict[int, tuple] = {}
         self.cures: tuple[str, ...] = ()  # the findings neutralised in this run of a case (cures.py)
 

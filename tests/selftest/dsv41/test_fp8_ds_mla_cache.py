@@ -11,11 +11,13 @@ gather copies them. The comparison with vLLM's writers needs vLLM on CPU
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,21 @@ def test_the_writer_puts_every_byte_where_vllms_writers_do():
     assert run.returncode == 0, run.stderr[-3000:]
     same = json.loads(run.stdout.strip().splitlines()[-1])
     assert same == {"quantize_and_insert_k_cache": True, "rope_quant_insert": True}, same
+
+
+def test_a_cases_kv_pool_is_freed_with_the_suite_cache_it_mirrors():
+    # A rank serves many cases: a pool kept after its case grew a W = 2 rank on an H100 by 2.7 GiB a case.
+    from types import SimpleNamespace
+
+    from dcpcheck.impls.dsv41.server.step import PortAttention
+
+    layer = object.__new__(PortAttention)  # only what _mirror reads
+    layer.impl, layer.kv_pool_offset = SimpleNamespace(cache_mirrors={}, kv_cache_dtype=FP8_DS_MLA), 1 << 20
+    cache = stored_values(tiled_rows(2 * PAGE, 64), FP8_DS_MLA)
+    mirrored, shift = layer._mirror(cache, PAGE)
+    assert shift > 0 and list(layer.impl.cache_mirrors) == [id(cache)]
+    assert layer._mirror(cache, PAGE)[0] is mirrored  # one mirror per cache while it lives
+    pool = weakref.ref(mirrored)
+    del cache, mirrored
+    gc.collect()
+    assert layer.impl.cache_mirrors == {} and pool() is None

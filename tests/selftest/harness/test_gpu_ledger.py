@@ -11,7 +11,6 @@ import threading
 import time
 from dataclasses import replace
 
-from dcpcheck.plugin.markers import UNMARKED_GIB_PER_RANK, gpu_gib_needed
 from dcpcheck.ranks import gpu_ledger
 from dcpcheck.ranks.gpu_free import GpuMemory
 from dcpcheck.ranks.gpu_ledger import GpuLedger
@@ -182,12 +181,3 @@ def test_a_case_that_fits_the_ledger_waits_for_the_gpus_free_memory_a_bounded_ti
     with ledger.hold(44, "its pool's contexts counted", wait_limit=30.0, free_needed=8.0) as waited:
         assert waited < 0.3
 
-
-def test_an_unmarked_case_on_cuda_needs_its_contexts_and_the_small_profiles_peak():
-    # An unmarked case holds memory too: an unmarked W = 8 trace ran an H100 out of memory beside others' idle pools.
-    class Unmarked:
-        def get_closest_marker(self, name):
-            return None
-
-    need = gpu_gib_needed(Unmarked(), Placement("cuda", 8, 1))
-    assert need == (UNMARKED_GIB_PER_RANK + gpu_ledger.CUDA_CONTEXT_GIB) * 8 > 8 * gpu_ledger.CUDA_CONTEXT_GIB

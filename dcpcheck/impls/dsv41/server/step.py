@@ -346,6 +346,9 @@ class PortAttention:
                 )
             known = (weakref.ref(cache), mirror)
             self.impl.cache_mirrors[id(cache)] = known
+            # Dropped with the suite's cache: a rank serves many cases, and each served case's pool is
+            # gigabytes (on an H100 a pool kept per case grew a W = 2 rank by 2.7 GiB a case, to 27 GiB).
+            weakref.finalize(cache, self.impl.cache_mirrors.pop, id(cache), None)
         mirror = known[1]
         # In pieces: the writer's fp32 temporaries of a served cache's every row would be gigabytes.
         for start in range(0, cache.shape[0], MIRROR_ROWS):
