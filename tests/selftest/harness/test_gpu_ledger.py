@@ -180,4 +180,3 @@ def test_a_case_that_fits_the_ledger_waits_for_the_gpus_free_memory_a_bounded_ti
         assert 0.6 <= waited < 2.0
     with ledger.hold(44, "its pool's contexts counted", wait_limit=30.0, free_needed=8.0) as waited:
         assert waited < 0.3
-
