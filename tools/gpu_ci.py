@@ -212,7 +212,6 @@ def main(argv=None) -> int:
 
     runs, junit_files, sessions, left_out = plan(args, out, gpus)
     started = time.perf_counter()
-    (out / "load.csv").unlink(missing_ok=True)
     waves = run_sessions(runs, out, args.session_timeout, gpus)
     wall = time.perf_counter() - started
 

@@ -143,6 +143,7 @@ def run_sessions(runs: list[SessionRun], out: Path, timeout: float | None, gpus:
     waves in turn -> each wave's wall seconds and load."""
     lock = threading.Lock()
     waves = {}
+    (out / "load.csv").unlink(missing_ok=True)  # this run's samples only: the sampler appends each wave's
     for wave in sorted({run.wave for run in runs}):
         started = time.perf_counter()
         threads = [threading.Thread(target=_stream, args=(run, out, lock, timeout)) for run in runs if run.wave == wave]

@@ -89,19 +89,21 @@ def sparse_attention_with_lse(
     if extra_indices is not None and compressed_kv_cache is None:
         raise KernelContractError("extra indices without a compressed cache")
     num_tokens = query.shape[0]
-    candidates = swa_indices.reshape(num_tokens, -1).shape[1] if num_tokens else 0
-    if extra_indices is not None and num_tokens:
-        candidates += extra_indices.reshape(num_tokens, -1).shape[1]
+    if not num_tokens:
+        return
+    swa = swa_indices.reshape(num_tokens, -1)
+    extra = None if extra_indices is None else extra_indices.reshape(num_tokens, -1)
+    candidates = swa.shape[1] + (0 if extra is None else extra.shape[1])
     step = max(1, ROWS_BYTES // max(1, candidates * query.shape[-1] * 4))
     for start in range(0, num_tokens, step):
         part = slice(start, start + step)
         _attend(
             query[part],
             swa_kv_cache,
-            swa_indices.reshape(num_tokens, -1)[part],
+            swa[part],
             None if swa_lens is None else swa_lens[part],
             compressed_kv_cache,
-            None if extra_indices is None else extra_indices.reshape(num_tokens, -1)[part],
+            None if extra is None else extra[part],
             None if extra_lens is None else extra_lens[part],
             out[part],
             sm_scale,
