@@ -1,6 +1,6 @@
 """What the host was busy with while a wave of the GPU CI ran (``tools/gpu_ci.py``): the share of its cores
-that were busy (``/proc/stat``) and the memory used on each GPU (NVML, as every process on the host holds it),
-sampled once a second. The summary gives each wave's mean and peak, so that a wave bound by the cores is told
+that were busy (``/proc/stat``), the memory used on each GPU (NVML, as every process on the host holds it) and
+the share of time each GPU ran a kernel (NVML: time-slicing among the ranks), sampled once a second. The summary gives each wave's mean and peak, so that a wave bound by the cores is told
 from one bound by GPU memory (idle pools ended, ledger waits) before its sessions are moved or given workers;
 each sample goes to ``<out>/load.csv``."""
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dcpcheck.ranks.gpu_free import gpu_memory
+from dcpcheck.ranks.gpu_free import gpu_busy, gpu_memory
 
 PERIOD_S = 1.0
 BUSY_SHARE = 0.9  # a sample at or above this share of busy cores counts as a saturated second
@@ -29,13 +29,16 @@ def cpu_times() -> tuple[int, int] | None:
 
 @dataclass
 class WaveLoad:
-    """One wave's samples: the busy share of the cores over each period, the GiB used on each GPU."""
+    """One wave's samples: the busy share of the cores over each period, the GiB used on each GPU, the share of
+    time each GPU ran a kernel."""
 
     cpu_busy: list[float] = field(default_factory=list)
     gpu_used_gib: list[list[float]] = field(default_factory=list)  # per sample, per GPU
+    gpu_busy: list[list[float]] = field(default_factory=list)  # per sample, per GPU (NaN: NVML had no answer)
 
     def describe(self) -> str:
-        """``CPU busy mean 71 %, 38 % of seconds at >= 90 %; GPU used peak 74.1 GiB`` (what was measured)."""
+        """``CPU busy mean 71 %, 38 % of seconds at >= 90 %; GPU used peak 74.1 GiB; GPU busy mean 63 %``
+        (what was measured)."""
         parts = []
         if self.cpu_busy:
             mean = sum(self.cpu_busy) / len(self.cpu_busy)
@@ -46,6 +49,11 @@ class WaveLoad:
         peaks = [peak for peak in peaks if peak is not None]  # NaN: NVML had no answer
         if peaks:
             parts.append("GPU used peak " + ", ".join(f"{peak:.1f}" for peak in peaks) + " GiB")
+        gpus = len(self.gpu_busy[0]) if self.gpu_busy else 0
+        known = [[s[gpu] for s in self.gpu_busy if s[gpu] == s[gpu]] for gpu in range(gpus)]
+        means = [sum(busy) / len(busy) for busy in known if busy]
+        if means:
+            parts.append("GPU busy mean " + ", ".join(f"{mean:.0%}" for mean in means))
         return "; ".join(parts) or "no load samples"
 
 
@@ -61,6 +69,7 @@ class LoadSampler:
     def __enter__(self) -> WaveLoad:
         if not self.csv.exists():
             header = ["wave", "t_s", "cpu_busy"] + [f"gpu{index}_used_gib" for index in range(self.gpus)]
+            header += [f"gpu{index}_busy" for index in range(self.gpus)]
             self.csv.write_text(",".join(header) + "\n")
         self._thread.start()
         return self.load
@@ -79,12 +88,15 @@ class LoadSampler:
                     busy = (now[0] - last[0]) / (now[1] - last[1])
                     self.load.cpu_busy.append(busy)
                 last = now
-                used = []
+                used, kernels = [], []
                 for index in range(self.gpus):
                     memory = gpu_memory(index)
                     used.append((memory.total_bytes - memory.free_bytes) / 2**30 if memory else float("nan"))
+                    kernels.append(gpu_busy(index))
                 if self.gpus:
                     self.load.gpu_used_gib.append(used)
+                    self.load.gpu_busy.append([float("nan") if share is None else share for share in kernels])
                 cells = [str(self.wave), f"{time.perf_counter() - started:.1f}", "" if busy is None else f"{busy:.3f}"]
-                csv.write(",".join(cells + [f"{gib:.2f}" for gib in used]) + "\n")
+                cells += [f"{gib:.2f}" for gib in used] + ["" if share is None else f"{share:.2f}" for share in kernels]
+                csv.write(",".join(cells) + "\n")
                 csv.flush()

@@ -86,10 +86,12 @@ VLLM_SESSIONS = (
 # session of their own in wave 0, whose sessions but the pool session end by half-time: on an H100 at 8a3ae70
 # wave 1 ran 285 s against wave 0's 283, its cores and memory shared by one more session) and the embedded port
 # (port, W = 2: the users' DCP2, in wave 0 beside the pool session, whose long cases are lighter). Their cases are
-# few and large (7 to 12 GiB a rank): one worker each, and the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs a
-# case only where its declared memory fits beside the running cases' (two side by side ran an H100 out of
-# memory). W = 8 goes first (tests/production/test_production.py), while the other sessions' pools are few
-# (beside them it ran an H100 out of memory). The sessions' own --world-sizes win over the run's.
+# few and large (7 to 10 GiB a rank): one worker each, and the GPU ledger (dcpcheck/ranks/gpu_ledger.py) runs a
+# case only where its declared memory fits beside the running cases'. The folder runs from W = 8 down
+# (tests/production/conftest.py): a W = 8 case needs nearly all of an H100, which the ledger gives it by keeping
+# every other process from starting ranks meanwhile, at the start of wave 1, before the other sessions' pools
+# hold some 45 GiB (beside them, at the end of the session, one ran out of memory: H100, at 1b1ce93). The
+# sessions' own --world-sizes win over the run's.
 PRODUCTION_ARGS = ("--dcp-timeout", "300", "-rfExX")  # 300 s: after the run's, so it wins
 PRODUCTION_SESSIONS = tuple(
     Session(

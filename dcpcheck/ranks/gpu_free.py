@@ -1,5 +1,5 @@
-"""How much memory the GPUs hold free right now, asked of NVML
-(``libnvidia-ml.so.1``) directly: no CUDA context in the pytest process, and
+"""How much memory the GPUs hold free right now, and how busy they are, asked of
+NVML (``libnvidia-ml.so.1``) directly: no CUDA context in the pytest process, and
 it sees what every process on the host holds (other xdist workers' ranks,
 other sessions'), which torch's allocator statistics cannot.
 
@@ -20,6 +20,10 @@ NVML_SUCCESS = 0
 
 class _NvmlMemory(ctypes.Structure):  # nvml.h, nvmlMemory_t
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+class _NvmlUtilization(ctypes.Structure):  # nvml.h, nvmlUtilization_t
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,19 @@ def gpu_memory(cuda_index: int) -> GpuMemory | None:
     if handle is None or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != NVML_SUCCESS:
         return None
     return GpuMemory(total_bytes=memory.total, free_bytes=memory.free)
+
+
+def gpu_busy(cuda_index: int) -> float | None:
+    """The share (0..1) of NVML's last sample period during which a kernel ran on CUDA device ``cuda_index``;
+    None where NVML cannot say."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    handle = _handle(nvml, cuda_index)
+    utilization = _NvmlUtilization()
+    if handle is None or nvml.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(utilization)) != NVML_SUCCESS:
+        return None
+    return utilization.gpu / 100
 
 
 def gpu_uuid(cuda_index: int) -> str | None:

@@ -18,7 +18,13 @@ locked with ``flock`` for each read-modify-write, holds the entries
 (``held`` and ``waiting``: pid, GiB, case). An entry whose process is gone is
 dropped, so a killed worker never blocks the GPU. Unmarked cases hold
 nothing. A worker also ends its idle pools when someone waits
-(:meth:`GpuLedger.someone_waits`): their CUDA contexts are memory too.
+(:meth:`GpuLedger.someone_waits`): their CUDA contexts are memory too. And
+while another process's case holds (or, first in line, waits for) nearly
+all of the GPU, a worker starts no new ranks
+(:meth:`GpuLedger.wait_out_large_holds`): each start is a CUDA context of
+its own, which the large case's free-memory wait cannot see coming (on one
+H100 a W = 8 case of 64 GiB, admitted with them free, ran out of memory as
+the other sessions' workers started pools beside it).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ POLL_S = 0.2
 # How long a case that fits the ledger waits for the GPU's free memory to reach its need: the other processes end
 # their idle pools before their next case (seconds apart); memory that does not come free by then is not theirs.
 FREE_WAIT_S = 60.0
+# A hold above this share of the capacity has the GPU, in effect, to itself while it runs: no process starts ranks.
+# Nearly all of it: production's W = 8 (64 of an H100's 67 GiB); the realistic stage-9 W = 8 (56 GiB declared,
+# 42 used) has run beside other processes' starts on one H100 and one H200.
+LARGE_HOLD_SHARE = 0.9
 GIB = 2**30
 
 
@@ -119,6 +129,24 @@ class GpuLedger:
             with self._locked() as entries:
                 for kind in entries:
                     entries[kind] = [e for e in entries[kind] if e.token != me.token]
+
+    def wait_out_large_holds(self, limit: float) -> float:
+        """Before this process starts ranks: wait (at most ``limit`` s) while another process's case holds more
+        than LARGE_HOLD_SHARE of the capacity, or waits first in line for it (unless this process holds an
+        entry: that case may be what it waits for) -> the seconds waited."""
+        started = time.monotonic()
+        while time.monotonic() - started < limit:
+            with self._locked() as entries:
+                mine = os.getpid()
+                large = [e for e in entries["held"] if e.pid != mine and e.gib > LARGE_HOLD_SHARE * self.capacity_gib]
+                first = entries["waiting"][:1]
+                holds_some = any(e.pid == mine for e in entries["held"])
+                if not holds_some:
+                    large += [e for e in first if e.pid != mine and e.gib > LARGE_HOLD_SHARE * self.capacity_gib]
+            if not large:
+                break
+            time.sleep(POLL_S)
+        return time.monotonic() - started
 
     def someone_waits(self) -> bool:
         """Whether a case waits for memory on this GPU."""

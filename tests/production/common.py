@@ -8,16 +8,15 @@ import pytest
 from dcpcheck.scenarios.production import PRODUCTION_CHOICE, PROFILE_ENV, SMALL_PRODUCTION, production_selected
 from dcpcheck.stages import STAGE_COMBINE, STAGE_PREFILL
 
-# One rank's GiB at its peak, from gpu_ci's per-case peaks on an H100 (the allocator's reserved peak of a case's
-# ranks over their count) of the first case each rank process ran: 7.2 at W = 1 (top-k 512) and 6.0 at W = 2 (a
-# rank holds 32 heads of a 300K-token request at D = 512, its 2 GiB KV pool and its cache), 6.8 at W = 4 and 6.1
-# at W = 8. Later cases' peaks there (up to 27.3 GiB a rank) were the pools of the rank's earlier cases, which the
-# dsv41 implementation kept (since freed with their case: server/step.py _mirror); top-k 2048 and ratio 2 take
-# more than the first case's top-k 512, whence 12 at W <= 2. A case runs only where its need fits beside the
-# running cases' (the GPU ledger, dcpcheck/ranks/gpu_ledger.py); 8 ranks of (7 + 1 GiB of context) would be over
-# 85 % of an H100 and skip there.
-SERVED = pytest.mark.gpu_memory(12)
-SERVED_WIDE = pytest.mark.gpu_memory(7)
+# One rank's GiB at its peak, from gpu_ci's per-case peaks (the allocator's reserved peak of a case's ranks over
+# their count) on an H100 at 1b1ce93, every case of each W: at most 8.7 at W = 1, 7.7 at W = 2 (a rank holds 32
+# heads of a 300K-token request at D = 512, its 2 GiB KV pool and its cache), 7.5 at W = 4 and 6.6 at W = 8; with
+# some margin, but at W = 8 at most what 85 % of an H100 holds beside 8 CUDA contexts (more skips there). A case
+# runs only where its need fits beside the running cases' (the GPU ledger, dcpcheck/ranks/gpu_ledger.py, which
+# also keeps other processes from starting ranks while a case holds most of the GPU).
+SERVED = pytest.mark.gpu_memory(10)
+SERVED_DCP4 = pytest.mark.gpu_memory(8.5)
+SERVED_DCP8 = pytest.mark.gpu_memory(7)
 GATHER = pytest.param(True, marks=pytest.mark.stage(STAGE_PREFILL), id="gather")
 SUB_CHUNKS = pytest.param(False, marks=pytest.mark.stage(STAGE_COMBINE), id="stage3_chunked")
 # Ratio-2 layers: the seed port's finding 1 shows there at W > 1 (dcpcheck/impls/dsv41/findings/defects.py).

@@ -23,7 +23,8 @@ from tests.production.common import (
     DSV41_RATIO2,
     GATHER,
     SERVED,
-    SERVED_WIDE,
+    SERVED_DCP4,
+    SERVED_DCP8,
     SMALL_RATIOS,
     SUB_CHUNKS,
     require_production,
@@ -50,9 +51,8 @@ def layouts(world_size: int):
     return [pytest.param(layout, id=layout.name) for layout in SERVED_LAYOUTS[world_size]]
 
 
-# W = 8 first: tools/gpu_ci.py runs this file beside the vllm and dsv41 sessions, and 8 ranks of 7 GiB fit the
-# GPU best before those sessions' pools multiply.
-@SERVED_WIDE
+# (The folder's conftest.py runs its cases from W = 8 down.)
+@SERVED_DCP8
 @pytest.mark.world_sizes(8)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
 @pytest.mark.parametrize("layout", layouts(8))
@@ -95,7 +95,7 @@ def test_production_dcp2_ratio2(dcp, prefill_gather):
     run_production(dcp, layout=SERVED_LAYOUTS[2][0], top_k=max(PRODUCTION.top_ks), prefill_gather=prefill_gather, rho=2)
 
 
-@SERVED_WIDE
+@SERVED_DCP4
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("prefill_gather", [GATHER, SUB_CHUNKS])
 @pytest.mark.parametrize("layout", layouts(4))

@@ -23,7 +23,8 @@ from tests.production.common import (
     DSV41_RATIO2,
     GATHER,
     SERVED,
-    SERVED_WIDE,
+    SERVED_DCP4,
+    SERVED_DCP8,
     SMALL_RATIOS,
     SUB_CHUNKS,
     require_production,
@@ -69,10 +70,17 @@ def test_production_trace_dcp2_ratio2(dcp, prefill_gather):
     run_trace(dcp, rho=2, prefill_gather=prefill_gather)
 
 
-@SERVED_WIDE
-@pytest.mark.world_sizes(4, 8)
+@SERVED_DCP4
+@pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("prefill_gather", [GATHER])
-def test_production_trace_wide(dcp, prefill_gather):
+def test_production_trace_dcp4(dcp, prefill_gather):
+    run_trace(dcp, prefill_gather=prefill_gather)
+
+
+@SERVED_DCP8
+@pytest.mark.world_sizes(8)
+@pytest.mark.parametrize("prefill_gather", [GATHER])
+def test_production_trace_dcp8(dcp, prefill_gather):
     run_trace(dcp, prefill_gather=prefill_gather)
 
 

@@ -180,3 +180,69 @@ def test_a_case_that_fits_the_ledger_waits_for_the_gpus_free_memory_a_bounded_ti
         assert 0.6 <= waited < 2.0
     with ledger.hold(44, "its pool's contexts counted", wait_limit=30.0, free_needed=8.0) as waited:
         assert waited < 0.3
+
+
+def _another_process_holds(ledger, gib, seconds, *, waiting=False) -> threading.Thread:
+    """A child process's entry in the ledger, held (or waiting first in line) for ``seconds``: the ledger drops
+    it once the child is gone, which the returned thread reaps."""
+    child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+    entry = {"pid": child.pid, "token": "other", "gib": gib, "case": "another process's case"}
+    text = ledger.path.read_text() if ledger.path.exists() else ""
+    entries = json.loads(text) if text else {"held": [], "waiting": []}
+    entries["waiting" if waiting else "held"].append(entry)
+    ledger.path.write_text(json.dumps(entries))  # no one else writes meanwhile: the holders here sleep
+    reaper = threading.Thread(target=child.wait)
+    reaper.start()
+    return reaper
+
+
+class _StartedPool:
+    """A pool whose start only notes when it happened."""
+
+    def __init__(self, *args, **kwargs):
+        self.startup, self.alive = {}, True
+
+    def start(self):
+        self.started_at = time.monotonic()
+
+    def kill(self):
+        self.alive = False
+
+
+def test_no_pool_starts_while_another_processs_case_holds_or_awaits_most_of_the_gpu(tmp_path, monkeypatch):
+    # Each rank started is a CUDA context the large case's free-memory wait could not see coming.
+    monkeypatch.setattr("dcpcheck.ranks.spawned.RankPool", _StartedPool)
+    ledger = _ledger(tmp_path)
+    for waiting in (False, True):
+        began = time.monotonic()
+        other = _another_process_holds(ledger, 64, 1.0, waiting=waiting)
+        pool = _spawned(ledger, {})._start_pool(2)
+        other.join()
+        assert pool.started_at - began >= 0.8
+        assert pool.startup["gpu_ledger_wait_s"] >= 0.7
+    other = _another_process_holds(ledger, 56, 1.0)  # under LARGE_HOLD_SHARE of the 68 GiB
+    pool = _spawned(ledger, {})._start_pool(2)
+    assert "gpu_ledger_wait_s" not in pool.startup
+    other.join()
+
+
+def test_the_large_case_starts_its_own_ranks_and_a_stuck_one_delays_others_by_the_limit_only(tmp_path):
+    ledger, events = _ledger(tmp_path), []
+    holder = _hold_in_thread(ledger, 64, "this process's case", HOLD_S, events)
+    time.sleep(0.1)
+    assert ledger.wait_out_large_holds(limit=10.0) < 0.1
+    holder.join()
+    other = _another_process_holds(ledger, 64, 3.0)
+    assert 0.5 <= ledger.wait_out_large_holds(limit=0.5) < 1.5
+    other.join()
+
+
+def test_a_process_holding_an_entry_does_not_wait_for_a_large_waiter_that_may_wait_for_it(tmp_path):
+    ledger, events = _ledger(tmp_path), []
+    holder = _hold_in_thread(ledger, 10, "this process's small case", HOLD_S, events)
+    time.sleep(0.1)
+    other = _another_process_holds(ledger, 64, 3.0, waiting=True)
+    assert ledger.someone_waits()
+    assert ledger.wait_out_large_holds(limit=10.0) < 0.1
+    holder.join()
+    other.join()

@@ -1,6 +1,6 @@
 """``tools/gpu_ci_load.py``: a wave's load, as the GPU CI's summary gives it. The busy share of the cores
-comes from /proc/stat (a busy loop beside the sampler must show), the GPU's used memory from NVML (here a
-stand-in answer), one CSV row a sample."""
+comes from /proc/stat (a busy loop beside the sampler must show), the GPU's used memory and busy share from NVML
+(here stand-in answers), one CSV row a sample."""
 
 from __future__ import annotations
 
@@ -25,19 +25,42 @@ def test_describe_names_the_mean_the_saturated_share_and_the_peak():
     assert gpu_ci_load.WaveLoad().describe() == "no load samples"
 
 
+def test_describe_gives_each_gpus_mean_busy_share_over_the_samples_nvml_answered():
+    nan = float("nan")
+    load = gpu_ci_load.WaveLoad(gpu_used_gib=[[1.0, 2.0]] * 3, gpu_busy=[[0.5, 0.1], [nan, 0.2], [0.75, nan]])
+    assert load.describe() == "GPU used peak 1.0, 2.0 GiB; GPU busy mean 62%, 15%"
+    unanswered = gpu_ci_load.WaveLoad(gpu_used_gib=[[1.0]], gpu_busy=[[nan], [nan]])
+    assert unanswered.describe() == "GPU used peak 1.0 GiB"
+
+
 @pytest.mark.skipif(gpu_ci_load.cpu_times() is None, reason="no /proc/stat: not Linux")
 def test_the_sampler_sees_a_busy_core_and_writes_a_row_a_sample(tmp_path, monkeypatch):
     used = iter(range(1, 100))
     monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: GpuMemory(80 * 2**30, (80 - next(used)) * 2**30))
+    monkeypatch.setattr(gpu_ci_load, "gpu_busy", lambda index: None)
     csv = tmp_path / "load.csv"
     with gpu_ci_load.LoadSampler(1, csv, wave=0, period=0.2) as load:
         spin_until = time.perf_counter() + 1.0
         while time.perf_counter() < spin_until:
             pass
     rows = csv.read_text().splitlines()
-    assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib"
+    assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib,gpu0_busy"
     assert len(rows) - 1 == len(load.cpu_busy) == len(load.gpu_used_gib) >= 3
     # One core of os.cpu_count() spun the whole time; the rest of this host may idle.
     cores = os.cpu_count() or 1
     assert sum(load.cpu_busy) / len(load.cpu_busy) >= 0.5 / cores
     assert [sample[0] for sample in load.gpu_used_gib] == [float(n) for n in range(1, len(rows))]
+
+
+def test_the_csv_has_each_gpus_busy_share_after_the_memory_columns(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: GpuMemory(80 * 2**30, (80 - 8 * (index + 1)) * 2**30))
+    monkeypatch.setattr(gpu_ci_load, "gpu_busy", lambda index: 0.63 if index == 0 else None)
+    csv = tmp_path / "load.csv"
+    with gpu_ci_load.LoadSampler(2, csv, wave=3, period=0.05) as load:
+        while len(load.gpu_busy) < 2:
+            time.sleep(0.01)
+    rows = [row.split(",") for row in csv.read_text().splitlines()]
+    assert rows[0] == ["wave", "t_s", "cpu_busy", "gpu0_used_gib", "gpu1_used_gib", "gpu0_busy", "gpu1_busy"]
+    assert len(rows) - 1 == len(load.gpu_busy) >= 2
+    assert all(row[0] == "3" and row[3:] == ["8.00", "16.00", "0.63", ""] for row in rows[1:])
+    assert all(sample[0] == 0.63 and sample[1] != sample[1] for sample in load.gpu_busy)  # NaN: no answer
