@@ -26,7 +26,8 @@ has no GPU or an argument is bad (one line, before any session starts).
 
 This module is the command line: it checks the arguments, plans the sessions
 and writes the summary. Beside it: gpu_ci_sessions.py (the session table),
-gpu_ci_launch.py (running the sessions), gpu_ci_load.py (the host's load meanwhile), gpu_ci_plugin.py (the pytest plugin
+gpu_ci_launch.py (running the sessions), gpu_ci_load.py (the host's load meanwhile; gpu_ci_process_cpu.py: whose
+processes the cores worked for), gpu_ci_plugin.py (the pytest plugin
 each session loads), gpu_ci_junit.py (reading their JUnit files back) and
 gpu_ci_summary.py (the markdown).
 """

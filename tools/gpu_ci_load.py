@@ -1,15 +1,19 @@
 """What the host was busy with while a wave of the GPU CI ran (``tools/gpu_ci.py``): the share of its cores
 that were busy (``/proc/stat``), the memory used on each GPU (NVML, as every process on the host holds it) and
-the share of time each GPU ran a kernel (NVML: time-slicing among the ranks), sampled once a second. The summary gives each wave's mean and peak, so that a wave bound by the cores is told
-from one bound by GPU memory (idle pools ended, ledger waits) before its sessions are moved or given workers;
-each sample goes to ``<out>/load.csv``."""
+the share of time each GPU ran a kernel (NVML: time-slicing among the ranks), sampled once a second, and the
+CPU seconds each kind of process used (``gpu_ci_process_cpu.py``). The summary gives each wave's mean and peak,
+so that a wave bound by the cores is told from one bound by GPU memory (idle pools ended, ledger waits) before
+its sessions are moved or given workers; each sample goes to ``<out>/load.csv``."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpu_ci_process_cpu import KINDS, ProcessCpu
 
 from dcpcheck.ranks.gpu_free import gpu_busy, gpu_memory
 
@@ -35,6 +39,7 @@ class WaveLoad:
     cpu_busy: list[float] = field(default_factory=list)
     gpu_used_gib: list[list[float]] = field(default_factory=list)  # per sample, per GPU
     gpu_busy: list[list[float]] = field(default_factory=list)  # per sample, per GPU (NaN: NVML had no answer)
+    cpu_seconds: Counter = field(default_factory=Counter)  # kind of process (gpu_ci_process_cpu.KINDS) -> seconds
 
     def describe(self) -> str:
         """``CPU busy mean 71 %, 38 % of seconds at >= 90 %; GPU used peak 74.1 GiB; GPU busy mean 63 %``
@@ -54,6 +59,9 @@ class WaveLoad:
         means = [sum(busy) / len(busy) for busy in known if busy]
         if means:
             parts.append("GPU busy mean " + ", ".join(f"{mean:.0%}" for mean in means))
+        if any(self.cpu_seconds.values()):
+            spent = [f"{kind} {seconds:.0f}" for kind, seconds in self.cpu_seconds.most_common() if seconds >= 0.5]
+            parts.append(f"CPU seconds by process: {', '.join(spent) or 'under 1 s'}")
         return "; ".join(parts) or "no load samples"
 
 
@@ -69,8 +77,9 @@ class LoadSampler:
     def __enter__(self) -> WaveLoad:
         if not self.csv.exists():
             header = ["wave", "t_s", "cpu_busy"] + [f"gpu{index}_used_gib" for index in range(self.gpus)]
-            header += [f"gpu{index}_busy" for index in range(self.gpus)]
+            header += [f"gpu{index}_busy" for index in range(self.gpus)] + [f"cpu_s_{kind}" for kind in KINDS]
             self.csv.write_text(",".join(header) + "\n")
+        self._processes = ProcessCpu()  # the processes' seconds so far: before the wave starts any
         self._thread.start()
         return self.load
 
@@ -79,7 +88,7 @@ class LoadSampler:
         self._thread.join()
 
     def _sample(self) -> None:
-        started, last = time.perf_counter(), cpu_times()
+        started, last, processes = time.perf_counter(), cpu_times(), self._processes
         with open(self.csv, "a") as csv:
             while not self._stop.wait(self.period):
                 now = cpu_times()
@@ -98,5 +107,8 @@ class LoadSampler:
                     self.load.gpu_busy.append([float("nan") if share is None else share for share in kernels])
                 cells = [str(self.wave), f"{time.perf_counter() - started:.1f}", "" if busy is None else f"{busy:.3f}"]
                 cells += [f"{gib:.2f}" for gib in used] + ["" if share is None else f"{share:.2f}" for share in kernels]
+                spent = processes.sample()
+                self.load.cpu_seconds.update(spent)
+                cells += [f"{spent[kind]:.2f}" for kind in KINDS]
                 csv.write(",".join(cells) + "\n")
                 csv.flush()

@@ -1,14 +1,17 @@
 """Which cases ``gpu_ci.py --session-timeout`` cut. Loaded in every session
 through the ``gpu_ci_plugin`` plugin: each case's start and end are appended to the
 file :data:`PROGRESS_ENV` names (by every process that runs or reports it:
-an xdist worker and its controller, every torchrun rank); a case started and
-never ended was running when the time-out stopped its session."""
+an xdist worker and its controller, every torchrun rank), with the wall-clock
+time and the process that noted it (which worker ran what when: the
+session's timeline); a case started and never ended was running when the
+time-out stopped its session."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 PROGRESS_ENV = "DCPCHECK_GPU_CI_PROGRESS"
@@ -18,7 +21,7 @@ def _note(event: str, nodeid: str) -> None:
     path = os.environ.get(PROGRESS_ENV)
     if path:
         with open(path, "a") as progress:  # one short write: appends from several processes stay whole lines
-            progress.write(json.dumps([event, nodeid]) + "\n")
+            progress.write(json.dumps([event, nodeid, round(time.time(), 2), os.getpid()]) + "\n")
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -35,8 +38,8 @@ def cut_cases(progress: Path) -> list[str]:
     if progress.exists():
         for line in progress.read_text().splitlines():
             try:
-                event, nodeid = json.loads(line)
-            except ValueError:
+                event, nodeid = json.loads(line)[:2]
+            except (ValueError, TypeError):
                 continue  # a line the stopped process left half written
             if event == "end":
                 ended.add(nodeid)

@@ -9,6 +9,10 @@ FlashInfer's SM120 entry a recording stand-in. A planted break of the adapter
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +28,8 @@ from dcpcheck.impls.dsv41.kernels.selection import (
     KernelSelection,
 )
 from dcpcheck.impls.dsv41.server.kv_cache_format import Fp8DsMlaRecord
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 class FakeFlashMla:
@@ -230,3 +236,18 @@ def test_the_ports_wrapper_computes_with_flashmla_through_flashinfers_checks():
     through_port_wrapper(tree.module({}), call)
     (made,) = fake.calls
     assert made["q"].shape == (6, 1, 64, 512) and tree.flashinfer.selection.last.worst <= 1
+
+
+def test_planted_breaks_stay_out_of_the_kernel_log_gpu_ci_reads(tmp_path):
+    log = tmp_path / "kernels.jsonl"
+    planted = f"{Path(__file__).relative_to(REPO)}::test_a_planted_break_of_the_adapter_is_caught"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", planted],
+        cwd=REPO,
+        env={**os.environ, cross_check.LOG_ENV: str(log)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not log.exists() or not log.read_text(), log.read_text()

@@ -5,6 +5,8 @@ comes from /proc/stat (a busy loop beside the sampler must show), the GPU's used
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 import time
 
@@ -15,6 +17,8 @@ from tests.selftest.support.inner import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import gpu_ci_load  # tools/ is on sys.path
+import gpu_ci_process_cpu
+from gpu_ci_process_cpu import KINDS, process_kind
 
 from dcpcheck.ranks.gpu_free import GpuMemory
 
@@ -44,7 +48,7 @@ def test_the_sampler_sees_a_busy_core_and_writes_a_row_a_sample(tmp_path, monkey
         while time.perf_counter() < spin_until:
             pass
     rows = csv.read_text().splitlines()
-    assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib,gpu0_busy"
+    assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib,gpu0_busy," + ",".join(f"cpu_s_{kind}" for kind in KINDS)
     assert len(rows) - 1 == len(load.cpu_busy) == len(load.gpu_used_gib) >= 3
     # One core of os.cpu_count() spun the whole time; the rest of this host may idle.
     cores = os.cpu_count() or 1
@@ -60,7 +64,39 @@ def test_the_csv_has_each_gpus_busy_share_after_the_memory_columns(tmp_path, mon
         while len(load.gpu_busy) < 2:
             time.sleep(0.01)
     rows = [row.split(",") for row in csv.read_text().splitlines()]
-    assert rows[0] == ["wave", "t_s", "cpu_busy", "gpu0_used_gib", "gpu1_used_gib", "gpu0_busy", "gpu1_busy"]
+    gpus = ["gpu0_used_gib", "gpu1_used_gib", "gpu0_busy", "gpu1_busy"]
+    assert rows[0] == ["wave", "t_s", "cpu_busy", *gpus, *(f"cpu_s_{kind}" for kind in KINDS)]
     assert len(rows) - 1 == len(load.gpu_busy) >= 2
-    assert all(row[0] == "3" and row[3:] == ["8.00", "16.00", "0.63", ""] for row in rows[1:])
+    assert all(row[0] == "3" and row[3:7] == ["8.00", "16.00", "0.63", ""] for row in rows[1:])
     assert all(sample[0] == 0.63 and sample[1] != sample[1] for sample in load.gpu_busy)  # NaN: no answer
+
+
+@pytest.mark.parametrize(
+    "cmdline, kind",
+    [
+        (["/usr/bin/python3", "-m", "dcpcheck.ranks.zygote_server", "--fd", "5"], "ranks"),
+        (["python3", "-m", "torch.distributed.run", "--standalone", "-m", "pytest"], "torchrun"),
+        (["/opt/venv/bin/python", "-m", "pytest", "tests/stage1_index"], "pytest"),
+        (["python", "-c", "import sys;exec(eval(sys.stdin.readline()))"], "pytest"),  # an xdist worker
+        (["/usr/local/cuda/bin/ptxas", "-arch=sm_90"], "compilers"),
+        (["nvidia-smi"], "other"),
+        ([], "other"),  # a process whose command line could not be read
+    ],
+)
+def test_a_process_is_told_by_its_command_line(cmdline, kind):
+    assert process_kind(cmdline) == kind
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="no /proc: not Linux")
+def test_the_cpu_seconds_of_a_busy_process_go_to_its_kind(tmp_path, monkeypatch):
+    # This host may run other rank processes (xdist workers beside this one): only the child below is "ranks".
+    marker = f"spinner-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setattr(gpu_ci_process_cpu, "process_kind", lambda cmdline: "ranks" if marker in cmdline else "other")
+    monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: None)
+    # It works before the first sample sees it (a process started within the wave counts from its start), then
+    # sleeps past that sample.
+    spin = "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass\ntime.sleep(1.2)"
+    with gpu_ci_load.LoadSampler(0, tmp_path / "load.csv", wave=0, period=1.0) as load:
+        subprocess.run([sys.executable, "-c", spin, marker], check=True)
+    assert 0.4 <= load.cpu_seconds["ranks"] <= 1.0, load.cpu_seconds  # its 0.8 s of work and its start
+    assert re.search(r"CPU seconds by process: (\w+ \d+, )*ranks [12]\b", load.describe()), load.describe()

@@ -5,8 +5,10 @@ running when it came) as failed, listing them, instead of pytest's
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+import time
 
 import pytest
 
@@ -37,7 +39,7 @@ def test_a_session_stopped_by_the_time_out_names_it_and_its_cut_cases(tmp_path, 
     monkeypatch.setattr(gpu_ci, "REPO", repo)
     monkeypatch.setattr(gpu_ci.os, "environ", inner_env())
     out = tmp_path / "out"
-    before = signal.signal(signal.SIGINT, sigint)
+    before, started = signal.signal(signal.SIGINT, sigint), time.time()
     try:
         code = gpu_ci.main(
             ["--device", "cpu", "--steps", "stage1", "--workers", "0", "--out", str(out)] + ["--session-timeout", "8"]
@@ -55,3 +57,7 @@ def test_a_session_stopped_by_the_time_out_names_it_and_its_cut_cases(tmp_path, 
     ), printed
     summary = (out / "summary.md").read_text()
     assert "| stage1 | cut | - | - | - | 1 | 0 | 1 |" in summary, summary
+    # The progress file is also the session's timeline: when each case started and ended, and in which process.
+    noted = [json.loads(line) for line in (out / "pool.progress").read_text().splitlines()]
+    assert [note[0] for note in noted] == ["start", "end", "start"], noted
+    assert all(started <= note[2] <= time.time() and isinstance(note[3], int) for note in noted), noted
