@@ -49,20 +49,24 @@ class WaveLoad:
             mean = sum(self.cpu_busy) / len(self.cpu_busy)
             saturated = sum(busy >= BUSY_SHARE for busy in self.cpu_busy) / len(self.cpu_busy)
             parts.append(f"CPU busy mean {mean:.0%}, {saturated:.0%} of seconds at >= {BUSY_SHARE:.0%}")
-        gpus = len(self.gpu_used_gib[0]) if self.gpu_used_gib else 0
-        peaks = [max((s[gpu] for s in self.gpu_used_gib if s[gpu] == s[gpu]), default=None) for gpu in range(gpus)]
-        peaks = [peak for peak in peaks if peak is not None]  # NaN: NVML had no answer
+        peaks = [max(used) for used in _answered(self.gpu_used_gib)]
         if peaks:
             parts.append("GPU used peak " + ", ".join(f"{peak:.1f}" for peak in peaks) + " GiB")
-        gpus = len(self.gpu_busy[0]) if self.gpu_busy else 0
-        known = [[s[gpu] for s in self.gpu_busy if s[gpu] == s[gpu]] for gpu in range(gpus)]
-        means = [sum(busy) / len(busy) for busy in known if busy]
+        means = [sum(busy) / len(busy) for busy in _answered(self.gpu_busy)]
         if means:
             parts.append("GPU busy mean " + ", ".join(f"{mean:.0%}" for mean in means))
         if any(self.cpu_seconds.values()):
             spent = [f"{kind} {seconds:.0f}" for kind, seconds in self.cpu_seconds.most_common() if seconds >= 0.5]
             parts.append(f"CPU seconds by process: {', '.join(spent) or 'under 1 s'}")
         return "; ".join(parts) or "no load samples"
+
+
+def _answered(samples: list[list[float]]) -> list[list[float]]:
+    """Per GPU, its values over ``samples`` (each: one value a GPU) that NVML answered (not NaN); a GPU without
+    any is left out."""
+    gpus = len(samples[0]) if samples else 0
+    per_gpu = [[sample[gpu] for sample in samples if sample[gpu] == sample[gpu]] for gpu in range(gpus)]
+    return [values for values in per_gpu if values]
 
 
 class LoadSampler:

@@ -61,14 +61,18 @@ def _handle(nvml, cuda_index: int):
     return handle if code == NVML_SUCCESS else None
 
 
+def _ask(cuda_index: int, query: str, *answer) -> bool:
+    """Whether NVML's ``query`` of CUDA device ``cuda_index`` answered into ``answer`` (its arguments after the
+    device's handle)."""
+    nvml = _nvml()
+    handle = None if nvml is None else _handle(nvml, cuda_index)
+    return handle is not None and getattr(nvml, query)(handle, *answer) == NVML_SUCCESS
+
+
 def gpu_memory(cuda_index: int) -> GpuMemory | None:
     """Total and free memory of CUDA device ``cuda_index``; None where NVML cannot say."""
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    handle = _handle(nvml, cuda_index)
     memory = _NvmlMemory()
-    if handle is None or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != NVML_SUCCESS:
+    if not _ask(cuda_index, "nvmlDeviceGetMemoryInfo", ctypes.byref(memory)):
         return None
     return GpuMemory(total_bytes=memory.total, free_bytes=memory.free)
 
@@ -76,12 +80,8 @@ def gpu_memory(cuda_index: int) -> GpuMemory | None:
 def gpu_busy(cuda_index: int) -> float | None:
     """The share (0..1) of NVML's last sample period during which a kernel ran on CUDA device ``cuda_index``;
     None where NVML cannot say."""
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    handle = _handle(nvml, cuda_index)
     utilization = _NvmlUtilization()
-    if handle is None or nvml.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(utilization)) != NVML_SUCCESS:
+    if not _ask(cuda_index, "nvmlDeviceGetUtilizationRates", ctypes.byref(utilization)):
         return None
     return utilization.gpu / 100
 
@@ -89,11 +89,7 @@ def gpu_busy(cuda_index: int) -> float | None:
 def gpu_uuid(cuda_index: int) -> str | None:
     """NVML's UUID of CUDA device ``cuda_index`` (``GPU-...``): one name for it in every process of the host,
     whatever each one's ``CUDA_VISIBLE_DEVICES``; None where NVML cannot say."""
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    handle = _handle(nvml, cuda_index)
     name = ctypes.create_string_buffer(96)  # nvml.h: NVML_DEVICE_UUID_V2_BUFFER_SIZE
-    if handle is None or nvml.nvmlDeviceGetUUID(handle, name, ctypes.c_uint(len(name))) != NVML_SUCCESS:
+    if not _ask(cuda_index, "nvmlDeviceGetUUID", name, ctypes.c_uint(len(name))):
         return None
     return name.value.decode()

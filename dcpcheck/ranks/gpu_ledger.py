@@ -134,16 +134,16 @@ class GpuLedger:
         """Before this process starts ranks: wait (at most ``limit`` s) while another process's case holds more
         than LARGE_HOLD_SHARE of the capacity, or waits first in line for it (unless this process holds an
         entry: that case may be what it waits for) -> the seconds waited."""
-        started = time.monotonic()
+        mine, started = os.getpid(), time.monotonic()
+
+        def large(entry: Entry) -> bool:
+            return entry.pid != mine and entry.gib > LARGE_HOLD_SHARE * self.capacity_gib
+
         while time.monotonic() - started < limit:
             with self._locked() as entries:
-                mine = os.getpid()
-                large = [e for e in entries["held"] if e.pid != mine and e.gib > LARGE_HOLD_SHARE * self.capacity_gib]
-                first = entries["waiting"][:1]
                 holds_some = any(e.pid == mine for e in entries["held"])
-                if not holds_some:
-                    large += [e for e in first if e.pid != mine and e.gib > LARGE_HOLD_SHARE * self.capacity_gib]
-            if not large:
+                others = entries["held"] + ([] if holds_some else entries["waiting"][:1])
+            if not any(large(entry) for entry in others):
                 break
             time.sleep(POLL_S)
         return time.monotonic() - started

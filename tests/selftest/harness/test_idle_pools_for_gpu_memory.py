@@ -113,3 +113,36 @@ def test_a_cuda_index_is_asked_of_nvml_through_cuda_visible_devices(monkeypatch,
 def test_without_nvml_the_free_memory_is_unknown(monkeypatch):
     monkeypatch.setattr(gpu_free, "_nvml", lambda: None)
     assert gpu_free.gpu_memory(0) is None
+
+
+class AnsweringNvml(StandInNvml):
+    """NVML's device queries, answering (or failing with ``code``) as nvml.h documents them."""
+
+    def __init__(self, code=gpu_free.NVML_SUCCESS):
+        super().__init__()
+        self.code = code
+
+    def nvmlDeviceGetMemoryInfo(self, handle, memory):
+        memory._obj.total, memory._obj.free = 80 * 2**30, 30 * 2**30
+        return self.code
+
+    def nvmlDeviceGetUtilizationRates(self, handle, utilization):
+        utilization._obj.gpu = 37
+        return self.code
+
+    def nvmlDeviceGetUUID(self, handle, name, length):
+        name.value = b"GPU-1234"[: length.value]
+        return self.code
+
+
+def test_each_device_query_reads_nvmls_answer_and_none_where_it_fails(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_free, "_nvml", AnsweringNvml)
+    assert gpu_free.gpu_memory(0) == gpu_free.GpuMemory(total_bytes=80 * 2**30, free_bytes=30 * 2**30)
+    assert gpu_free.gpu_busy(0) == 0.37
+    assert gpu_free.gpu_uuid(0) == "GPU-1234"
+    monkeypatch.setattr(gpu_free, "_nvml", lambda: AnsweringNvml(code=999))  # NVML_ERROR_UNKNOWN
+    assert gpu_free.gpu_memory(0) is None and gpu_free.gpu_busy(0) is None and gpu_free.gpu_uuid(0) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1234")  # no handle: nothing asked
+    monkeypatch.setattr(gpu_free, "_nvml", AnsweringNvml)
+    assert gpu_free.gpu_memory(0) is None and gpu_free.gpu_busy(0) is None and gpu_free.gpu_uuid(0) is None
