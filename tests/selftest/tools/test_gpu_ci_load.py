@@ -43,10 +43,11 @@ def test_the_sampler_sees_a_busy_core_and_writes_a_row_a_sample(tmp_path, monkey
     monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: GpuMemory(80 * 2**30, (80 - next(used)) * 2**30))
     monkeypatch.setattr(gpu_ci_load, "gpu_busy", lambda index: None)
     csv = tmp_path / "load.csv"
+    # A child spins, not this thread: a spinning thread here would hold the GIL the sampler needs for each file
+    # it reads under /proc, and the sampler would take a sample a second or less.
+    spin = "import time\nend = time.perf_counter() + 1.0\nwhile time.perf_counter() < end: pass"
     with gpu_ci_load.LoadSampler(1, csv, wave=0, period=0.2) as load:
-        spin_until = time.perf_counter() + 1.0
-        while time.perf_counter() < spin_until:
-            pass
+        subprocess.run([sys.executable, "-c", spin], check=True)
     rows = csv.read_text().splitlines()
     assert rows[0] == "wave,t_s,cpu_busy,gpu0_used_gib,gpu0_busy," + ",".join(f"cpu_s_{kind}" for kind in KINDS)
     assert len(rows) - 1 == len(load.cpu_busy) == len(load.gpu_used_gib) >= 3
@@ -93,10 +94,11 @@ def test_the_cpu_seconds_of_a_busy_process_go_to_its_kind(tmp_path, monkeypatch)
     marker = f"spinner-{os.getpid()}-{time.monotonic_ns()}"
     monkeypatch.setattr(gpu_ci_process_cpu, "process_kind", lambda cmdline: "ranks" if marker in cmdline else "other")
     monkeypatch.setattr(gpu_ci_load, "gpu_memory", lambda index: None)
-    # It works before the first sample sees it (a process started within the wave counts from its start), then
-    # sleeps past that sample.
-    spin = "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass\ntime.sleep(1.2)"
+    # It works 0.6 CPU seconds, on a quiet machine before the first sample sees it (a process started within the
+    # wave counts from its start), then sleeps past a sample. CPU seconds, not wall seconds: on a loaded machine
+    # the same wall time gets a fraction of a core.
+    spin = "import time\nwhile time.process_time() < 0.6: pass\ntime.sleep(1.5)"
     with gpu_ci_load.LoadSampler(0, tmp_path / "load.csv", wave=0, period=1.0) as load:
         subprocess.run([sys.executable, "-c", spin, marker], check=True)
-    assert 0.4 <= load.cpu_seconds["ranks"] <= 1.0, load.cpu_seconds  # its 0.8 s of work and its start
+    assert 0.5 <= load.cpu_seconds["ranks"] <= 1.2, load.cpu_seconds  # its 0.6 s of work and its start
     assert re.search(r"CPU seconds by process: (\w+ \d+, )*ranks [12]\b", load.describe()), load.describe()
