@@ -24,6 +24,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from dcpcheck.ranks.host_threads import share_host_cores
 from dcpcheck.ranks.launcher import PEER_GRACE_S, Case, CaseResult, LaunchError
 from dcpcheck.ranks.messages import (
     CaseStarted,
@@ -140,10 +141,9 @@ class RankPool:
             env["OMP_NUM_THREADS"] = "1"
         else:
             # Host-side work (scenarios, oracle) of every rank of every xdist
-            # worker shares the cores: a fair share each, not all cores each
-            # (oversubscribed OpenMP made cases several times slower).
+            # worker shares the cores (oversubscribed OpenMP made cases several times slower).
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (workers * self.world_size))))
+            share_host_cores(env, processes=workers * self.world_size)
             # Ranks sharing a GPU: segments that grow in place keep what a rank
             # reserves close to what it allocates (fixed segments fragmented
             # to 1.7x at the realistic prefill shapes).

@@ -49,11 +49,23 @@ def expected_threads(dcp) -> int:  # what the pool gives each rank of this world
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // (workers * dcp.world_size)))
 
 
+def expected_wait_policy(dcp) -> str | None:  # idle OpenMP threads sleep on CUDA (dcpcheck/ranks/host_threads.py)
+    users = os.environ.get("OMP_WAIT_POLICY")
+    return (users or "PASSIVE") if dcp.device_type == "cuda" else users
+
+
 def where_loaded(ctx) -> dict:
     module = sys.modules[type(ctx.impl).__module__]
     server = parent_pid(os.getppid())
     loaded_in = {os.getpid(): "rank", server: "server"}.get(module.IMPORTED_IN, f"process {module.IMPORTED_IN}")
-    return {"loaded in": loaded_in, "server": server, "threads": torch.get_num_threads()}
+    # The server's environment: what libgomp read when the server imported torch, and its forks inherit.
+    server_env = dict(item.split("=", 1) for item in open(f"/proc/{server}/environ").read().split("\\0") if "=" in item)
+    return {
+        "loaded in": loaded_in,
+        "server": server,
+        "threads": torch.get_num_threads(),
+        "wait policy": server_env.get("OMP_WAIT_POLICY"),
+    }
 
 
 @pytest.mark.world_sizes(1, 2)
@@ -61,6 +73,7 @@ def test_loaded_where_expected(dcp):
     answers = dcp.run(where_loaded)
     assert {answer["loaded in"] for answer in answers} == {os.environ["EXPECT_LOADED_IN"]}, answers
     assert [answer["threads"] for answer in answers] == [expected_threads(dcp)] * dcp.world_size, answers
+    assert [answer["wait policy"] for answer in answers] == [expected_wait_policy(dcp)] * dcp.world_size, answers
     SERVERS.append(answers[0]["server"])
 
 

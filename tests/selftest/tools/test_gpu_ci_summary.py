@@ -94,6 +94,23 @@ def test_the_vllm_sessions_run_after_the_pool_session_unless_in_one_wave(tmp_pat
     assert left_out is None
 
 
+@pytest.mark.parametrize("users_policy", [None, "ACTIVE"])
+def test_every_session_starts_with_idle_openmp_threads_asleep_unless_the_user_chose(
+    tmp_path, monkeypatch, users_policy
+):
+    monkeypatch.setattr(gpu_ci, "vllm_missing", lambda: None)
+    if users_policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", users_policy)
+    args = gpu_ci.parse_args(["--out", str(tmp_path)])
+    args.workers = 4
+    runs, _, _, _ = gpu_ci.plan(args, tmp_path, gpus=1)
+    assert {run.name: run.env.get("OMP_WAIT_POLICY") for run in runs} == {
+        run.name: users_policy or "PASSIVE" for run in runs
+    }
+
+
 def test_a_cases_wait_for_the_gpu_ledger_is_its_own_column_not_checking(tmp_path):
     xml = tmp_path / "pool.xml"
     xml.write_text(
