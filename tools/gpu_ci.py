@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from cli_arguments import OneLineParser, file_problem, folder_problem  # noqa: E402  (tools/, beside this file)
 from gpu_ci_junit import cut_by_timeout, missing_breakdown, summarize  # noqa: E402
-from gpu_ci_launch import SessionRun, default_workers, run_sessions, session_argv  # noqa: E402
+from gpu_ci_launch import SessionRun, default_workers, run_sessions, session_argv, session_workers  # noqa: E402
 from gpu_ci_plugin import PLUGIN, with_plugin_path  # noqa: E402, F401  (PLUGIN: the self-tests read it here)
 from gpu_ci_sessions import LONGEST_FIRST, NEEDS_VLLM, SESSIONS, STEP_NAMES, Session  # noqa: E402
 from gpu_ci_summary import kernel_table, render, xpass_lines  # noqa: E402
@@ -197,7 +197,9 @@ def plan(
         # Every process of every session (pytest, its workers, torchrun's ranks, the pools' servers) shares the
         # cores: their idle OpenMP threads sleep (dcpcheck/ranks/host_threads.py).
         env.setdefault(WAIT_POLICY_VARIABLE, IDLE_THREADS_SLEEP)
-        runs.append(SessionRun(session.name, argv_, env, REPO, wave=0 if args.one_wave else session.wave))
+        wave = 0 if args.one_wave else session.wave
+        workers = session_workers(args, session)
+        runs.append(SessionRun(session.name, argv_, env, REPO, wave, tuple(step_paths), workers))
         junit_files[junit] = step_paths
         sessions.append(session)
     return runs, junit_files, sessions, left_out

@@ -37,6 +37,12 @@ def _xdist_keeps_order() -> list[str]:
     return ["--no-loadscope-reorder"] if (major, minor) >= (3, 7) else []
 
 
+def session_workers(args, session: Session) -> int:
+    """How many cases the session runs at once: its xdist workers (1 without xdist; a torchrun job runs its
+    cases one after another)."""
+    return 1 if session.torchrun else max(1, int(args.workers * session.workers_share))
+
+
 def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus: int) -> list[str]:
     pytest = [
         "-m", "pytest", *paths, "-q", "-rfE", "-p", "no:cacheprovider", "-p", PLUGIN,
@@ -48,7 +54,7 @@ def session_argv(args, session: Session, paths: list[str], junit: Path, *, gpus:
         ranks = max(gpus, 2)  # on one GPU the torchrun ranks share it over gloo
         # --standalone picks a free rendezvous port, so two jobs can run at once.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *pytest]
-    workers = max(1, int(args.workers * session.workers_share))
+    workers = session_workers(args, session)
     if workers > 1:
         # A test file (a realistic one: each half) stays on one xdist worker,
         # whose ranks then build each shared scenario once (tests/conftest.py).
@@ -63,6 +69,8 @@ class SessionRun:
     env: dict
     cwd: Path  # the checkout it runs in
     wave: int = 0
+    steps: tuple[str, ...] = ()  # the steps it runs
+    workers: int = 1  # cases it runs at once (session_workers)
     code: int | None = None
     seconds: float = 0.0
     timed_out: bool = False  # stopped by --session-timeout

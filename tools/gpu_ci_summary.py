@@ -77,8 +77,19 @@ def render(
             f"| {' | '.join(key)} | {row.cases} | {row.passed} | {row.failed} | {row.xfailed} | {row.xpassed} "
             f"| {row.skipped} | {ratio} | {abs_err} | {peak} |"
         )
-    lines += ["", "| session | wave | exit | wall s |", "|---|---:|---:|---:|"]
-    lines += [f"| {run.name} | {run.wave} | {run.code} | {run.seconds:.1f} |" for run in runs]
+    # A session's case seconds over its workers is the least wall time its cases need: near its wall time, the
+    # session waits on its workers (more would end it sooner); far below, on the host (cores, GPU, start-up).
+    lines += [
+        "",
+        "| session | wave | exit | wall s | workers | case s | case s per worker |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        case_s = sum(phases[step].seconds for step in run.steps if step in phases)
+        lines.append(
+            f"| {run.name} | {run.wave} | {run.code} | {run.seconds:.1f} | {run.workers} | {case_s:.1f} "
+            f"| {case_s / run.workers:.1f} |"
+        )
     lines += [
         "",
         "Per step, summed over its cases (concurrent workers: sums exceed wall time). Pool start holds CUDA init "

@@ -18,6 +18,7 @@ from tests.selftest.support.inner import REPO_ROOT, inner_env, run_python_module
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import gpu_ci  # tools/ is on sys.path
+import gpu_ci_junit
 import gpu_ci_launch
 import gpu_ci_load
 
@@ -122,3 +123,26 @@ def test_a_cases_wait_for_the_gpu_ledger_is_its_own_column_not_checking(tmp_path
     table = gpu_ci.render(rows, phases, [], ["stage1"], xfails, xpasses).splitlines()
     header = next(i for i, line in enumerate(table) if "| ledger wait s | checking s |" in line)
     assert table[header + 2].startswith("| stage1 | 1 | 10.0 | 2.0 | 0.0 | 0.0 | 0.0 | 3.5 | 4.5 |")
+
+
+def test_each_session_says_its_workers_and_its_case_seconds_per_worker(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_ci, "vllm_missing", lambda: None)
+    args = gpu_ci.parse_args(["--out", str(tmp_path)])
+    args.workers = 4
+    runs, _, _, _ = gpu_ci.plan(args, tmp_path, gpus=1)
+    # As many as the session's argv starts: xdist's -n, else one.
+    for run in runs:
+        n = run.argv[run.argv.index("-n") + 1] if "-n" in run.argv else "1"
+        assert run.workers == int(n), (run.name, run.argv)
+    assert {run.name: run.workers for run in runs if run.name in ("pool", "torchrun", "vllm", "dsv41")} == {
+        "pool": 4,
+        "torchrun": 1,
+        "vllm": 2,
+        "dsv41": 3,
+    }
+    pool = next(run for run in runs if run.name == "pool")
+    pool.code, pool.seconds = 0, 12.0
+    phases = {step: gpu_ci_junit.Phases() for step in pool.steps}
+    phases["stage1"].seconds, phases["e2e"].seconds = 20.0, 10.0
+    table = gpu_ci.render({}, phases, [pool], list(pool.steps), [], []).splitlines()
+    assert "| pool | 0 | 0 | 12.0 | 4 | 30.0 | 7.5 |" in table, table
