@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,11 +24,13 @@ class FinishedRank:
 def test_each_run_starts_its_ranks_under_its_policy_the_policies_alternated(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's: the default run must not inherit it
     started = []
-    monkeypatch.setattr(
-        omp_wait_bench.subprocess,
-        "Popen",
-        lambda argv, env: started.append(env.get("OMP_WAIT_POLICY")) or FinishedRank(),
-    )
+
+    def popen(argv, env):
+        started.append(env.get("OMP_WAIT_POLICY"))
+        return FinishedRank()
+
+    # Replaced under the tool's own name, not in the subprocess module: the rest of this process keeps Popen.
+    monkeypatch.setattr(omp_wait_bench, "subprocess", SimpleNamespace(Popen=popen))
     args = omp_wait_bench.parse_args(["--processes", "2", "--threads", "3", "--repeats", "3"])
     runs = omp_wait_bench.measure(args)
     assert started == [
