@@ -60,7 +60,7 @@ from dcpcheck.impls.dsv41.kernels import cross_check  # noqa: E402
 from dcpcheck.impls.dsv41.kernels.selection import installed_version  # noqa: E402
 from dcpcheck.plugin.file_durations import durations_path, handed_out_order, read_durations, table_key  # noqa: E402
 from dcpcheck.plugin.options import MAX_TIMEOUT_S, parse_world_sizes  # noqa: E402
-from dcpcheck.ranks.host_threads import IDLE_THREADS_SLEEP, WAIT_POLICY_VARIABLE  # noqa: E402
+from dcpcheck.ranks.host_threads import idle_threads_sleep  # noqa: E402
 
 PYTEST_NO_TESTS = 5  # pytest's exit code when nothing was collected
 SPREAD_ENV = "DCPCHECK_XDIST_SPREAD"  # tests/conftest.py: one xdist group per file, in command-line order
@@ -196,7 +196,7 @@ def plan(
         Path(env[PROGRESS_ENV]).unlink(missing_ok=True)
         # Every process of every session (pytest, its workers, torchrun's ranks, the pools' servers) shares the
         # cores: their idle OpenMP threads sleep (dcpcheck/ranks/host_threads.py).
-        env.setdefault(WAIT_POLICY_VARIABLE, IDLE_THREADS_SLEEP)
+        idle_threads_sleep(env)
         wave = 0 if args.one_wave else session.wave
         workers = session_workers(args, session)
         runs.append(SessionRun(session.name, argv_, env, REPO, wave, tuple(step_paths), workers))

@@ -24,10 +24,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))
 
 from cli_arguments import OneLineParser, file_problem  # noqa: E402
 
-POLICIES = ("default", "PASSIVE")  # default: OMP_WAIT_POLICY unset, as a process starts unless told
+from dcpcheck.ranks.host_threads import IDLE_THREADS_SLEEP, WAIT_POLICY_VARIABLE  # noqa: E402  (what it measures)
+
+POLICIES = ("default", IDLE_THREADS_SLEEP)  # default: the policy variable unset, as a process starts unless told
 
 # One rank's oracle work a step: ``rows`` spot rows of ``heads`` heads of ``dim`` over ``top_k`` compressed and
 # ``window`` window candidates (production's per-rank shape at W = 8: 64 spot rows, 16 heads of 512, top-k 2048
@@ -54,10 +57,10 @@ for _ in range(steps):
 
 def run_once(args, policy: str) -> tuple[float, float]:
     """(wall s, the processes' CPU s) of ``args.processes`` ranks under ``policy``."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k != WAIT_POLICY_VARIABLE}
     env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
     if policy != "default":
-        env["OMP_WAIT_POLICY"] = policy
+        env[WAIT_POLICY_VARIABLE] = policy
     shape = [args.rows, args.heads, args.dim, args.top_k, args.window, args.steps, args.gap]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()

@@ -23,8 +23,13 @@ import os
 WAIT_POLICY_VARIABLE, IDLE_THREADS_SLEEP = "OMP_WAIT_POLICY", "PASSIVE"
 
 
+def idle_threads_sleep(env: dict) -> dict:
+    """``env`` with, unless set, the wait policy under which idle OpenMP threads sleep."""
+    env.setdefault(WAIT_POLICY_VARIABLE, IDLE_THREADS_SLEEP)
+    return env
+
+
 def share_host_cores(env: dict, *, processes: int) -> dict:
     """``env`` with, unless set, a thread count of the cores over ``processes`` and idle threads that sleep."""
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
-    env.setdefault(WAIT_POLICY_VARIABLE, IDLE_THREADS_SLEEP)
-    return env
+    return idle_threads_sleep(env)
